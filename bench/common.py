@@ -1,0 +1,86 @@
+"""The measuring harness every bench script shares: CUDA-graph timing, the same-run copy
+bandwidth, device facts. Method: ../../shared docs and bench/NOTES.md."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def device_facts() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(),
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def graph_time_us(fn: Callable[[int], object], rotations: int, calls_per_graph: int = 20, replays: int = 50) -> float:
+    """Median µs per call of `fn(i)` (i picks the input set), timed as CUDA-graph replays.
+
+    One graph holds `calls_per_graph` calls cycling through `rotations` input sets, so
+    inputs bigger than L2 come from HBM as they would in a real step.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i % rotations)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fn(i % rotations)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(gib: float = 2.0) -> float:
+    """Device-to-device copy of `gib` GiB, bytes read plus bytes written, median of 20."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n / statistics.median(times) / 1e9
+
+
+def kernels_in(fn: Callable[[], object]) -> int:
+    from fusion_compiler.inspect.counting import count_cuda_kernels
+
+    return count_cuda_kernels(fn).count
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)

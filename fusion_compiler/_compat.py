@@ -1,0 +1,87 @@
+"""Every use of torch's private compiler APIs goes through this module.
+
+Torch's `torch._inductor.pattern_matcher` and friends move between releases; we
+support torch 2.11 (the H200), 2.13 (CI) and 2.14 (vLLM 0.33). When one of them
+moves, this is the only file that changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < (2, 11):
+    raise ImportError(f"fusion_compiler needs torch >= 2.11, found {torch.__version__}")
+
+from torch._inductor import config as inductor_config  # noqa: E402
+from torch._inductor.compile_fx import compile_fx  # noqa: E402
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+from torch._inductor.pattern_matcher import (  # noqa: E402
+    FailedMatch,
+    Match,
+    PatternMatcherPass,
+    fwd_only,
+    is_match,
+    register_replacement,
+)
+
+__all__ = [
+    "CustomGraphPass",
+    "FailedMatch",
+    "Match",
+    "PatternMatcherPass",
+    "TORCH_VERSION",
+    "compile_fx",
+    "fake_value",
+    "fwd_only",
+    "inductor_patches",
+    "inductor_config",
+    "is_match",
+    "patterns_rooted_at",
+    "register_replacement",
+    "run_and_get_code",
+    "stable_topological_sort",
+]
+
+
+@contextlib.contextmanager
+def inductor_patches(post_grad_pass: CustomGraphPass, use_caches: bool):
+    """Install our post-grad pass; unless `use_caches`, turn off the FX-graph and
+    AOTAutograd caches (a cache hit would skip the pass)."""
+    from torch._functorch import config as functorch_config
+
+    patches: dict = {"post_grad_custom_post_pass": post_grad_pass}
+    functorch_patches: dict = {}
+    if not use_caches:
+        patches["fx_graph_cache"] = False
+        if hasattr(functorch_config, "enable_autograd_cache"):
+            functorch_patches["enable_autograd_cache"] = False
+    with inductor_config.patch(patches), functorch_config.patch(functorch_patches):
+        yield
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    from torch._inductor.pattern_matcher import stable_topological_sort as _sort
+
+    _sort(graph)
+
+
+def patterns_rooted_at(matcher: PatternMatcherPass, node: torch.fx.Node) -> list:
+    """The registered patterns whose output op is `node`'s (Inductor keys them by op and target)."""
+    return [entry.pattern for entry in matcher.patterns.get((node.op, node.target), [])]
+
+
+def fake_value(node: object):
+    """The FakeTensor (or SymInt/scalar) a post-grad node carries in `meta['val']`, or None."""
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("val")
+    return None
+
+
+def run_and_get_code(fn):
+    """Run `fn()`; return its result and the source of every module Inductor generated."""
+    from torch._inductor.utils import run_and_get_code as _run_and_get_code
+
+    return _run_and_get_code(fn)

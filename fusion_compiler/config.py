@@ -1,0 +1,77 @@
+"""FusionConfig: what the compiler fuses, how it lowers each family, and how loudly it fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
+
+# Families in the order the pass runs them. Later families (DeepSeek attention,
+# MoE routing, GQA prologues, GDN) go *before* "add_rms_norm": they take their
+# norms into bigger fusions, and the norm family gets what is left.
+FAMILY_ORDER: tuple[str, ...] = ("add_rms_norm",)
+
+LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
+"""triton: our hand-written kernel; inductor: a canonical decomposition Inductor
+fuses itself; off: the family does not run (its sites are not reported either)."""
+
+
+def _frozen(mapping: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig:
+    """What `fusion_compiler` does to a graph.
+
+    families: family name -> lowering ("triton" | "inductor" | "off"). Families
+        left out take `default_lowering`.
+    strict: raise `MissedSiteError` when an expected site (see `expected`) did not fuse.
+    verify: on the first call of each compiled graph, run the graph eagerly on cloned
+        inputs and raise `VerificationError`, naming the fused sites, if outputs or
+        mutated inputs differ beyond `verify_rtol` (relative norm error).
+    expected: family -> {module path: sites per forward}, as a model adapter derives it
+        from the model's module tree. Gives the report its expected-vs-found columns.
+    inductor_cache: let Inductor's FX-graph cache serve compiled graphs. Off by default:
+        a cache hit skips our pass, so that compile would have no match report.
+    """
+
+    families: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    default_lowering: str = "triton"
+    strict: bool = False
+    verify: bool = False
+    verify_rtol: float = 2e-2
+    expected: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    inductor_cache: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.families) - set(FAMILY_ORDER))
+        if unknown:
+            raise ValueError(f"unknown fusion families {unknown}; known: {list(FAMILY_ORDER)}")
+        for family, lowering in {**self.families, "<default>": self.default_lowering}.items():
+            if lowering not in LOWERINGS:
+                raise ValueError(
+                    f"family {family!r}: lowering {lowering!r} is not one of {list(LOWERINGS)}"
+                )
+        unknown_expected = sorted(set(self.expected) - set(FAMILY_ORDER))
+        if unknown_expected:
+            raise ValueError(f"expected sites given for unknown families {unknown_expected}")
+        if not (0 < self.verify_rtol < 1):
+            raise ValueError(f"verify_rtol must be in (0, 1), got {self.verify_rtol}")
+        object.__setattr__(self, "families", _frozen(self.families))
+        object.__setattr__(
+            self, "expected", _frozen({f: _frozen(s) for f, s in self.expected.items()})
+        )
+
+    def lowering(self, family: str) -> str:
+        return self.families.get(family, self.default_lowering)
+
+    def enabled_families(self) -> tuple[str, ...]:
+        return tuple(f for f in FAMILY_ORDER if self.lowering(f) != "off")
+
+    def cache_key(self) -> str:
+        """What of the config changes the compiled graph (expectations and verify do not)."""
+        key = {f: self.lowering(f) for f in FAMILY_ORDER}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

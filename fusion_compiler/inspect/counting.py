@@ -1,0 +1,121 @@
+"""Kernel counting. Every count says where it came from (`count_source`), so a CPU
+count is never mistaken for a hardware one.
+
+- CUDA: kernel events from the torch profiler (memcpy/memset excluded).
+- CPU, eager: aten ops dispatched at the top level (views and allocations excluded).
+- CPU, compiled: kernels Inductor generated for the graph, plus the ops its wrapper
+  dispatches at run time (extern GEMMs, our fused ops, fallbacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _compat
+
+_ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "as_strided", "lift_fresh", "detach", "alias", "_reinterpret_tensor"}
+
+
+@dataclasses.dataclass
+class KernelCount:
+    count: int
+    device: str
+    count_source: str
+    names: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __sub__(self, other: "KernelCount") -> "KernelCount":
+        names = Counter(self.names)
+        names.subtract(other.names)
+        return KernelCount(
+            self.count - other.count,
+            self.device,
+            self.count_source,
+            {k: v for k, v in names.items() if v},
+        )
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "device": self.device, "count_source": self.count_source}
+
+
+class _DispatchCounter(TorchDispatchMode):
+    """Counts ops reaching the dispatcher from the top level (the mode is off inside an op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _ALLOCATIONS and not _is_view(func):
+            self.names[f"{func.namespace}::{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _is_view(func) -> bool:
+    schema = func._schema
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def count_dispatched(run: Callable[[], object]) -> Counter:
+    counter = _DispatchCounter()
+    with counter:
+        run()
+    return counter.names
+
+
+def count_cpu_eager(run: Callable[[], object]) -> KernelCount:
+    names = count_dispatched(run)
+    return KernelCount(sum(names.values()), "cpu", "aten_ops_dispatched", dict(names))
+
+
+# A launch in Inductor's wrapper code: a generated C++/Triton kernel, an extern kernel
+# (GEMMs), or an op it calls as a fallback (ours included). Allocations and views are not.
+_LAUNCH = re.compile(
+    r"^\s+(?:[\w, ]+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.[\w.]+|aten\.[\w.]+)\("
+)
+
+
+def wrapper_launches(source: str) -> Counter:
+    """Kernel launches in the `call()` of one Inductor output module."""
+    body = source[source.index("def call(") :] if "def call(" in source else ""
+    names: Counter[str] = Counter()
+    for line in body.splitlines():
+        match = _LAUNCH.match(line)
+        if match:
+            name = match.group(1)
+            names["inductor::generated_kernel" if name.startswith(("cpp_fused", "triton_")) else name] += 1
+    return names
+
+
+def count_cpu_compiled(compile_and_run: Callable[[], object]) -> tuple[KernelCount, object]:
+    """Compile and run once; count the launches in the wrapper code Inductor generated
+    (static: decode graphs have no loops in the wrapper). Returns the count and the result."""
+    result, sources = _compat.run_and_get_code(compile_and_run)
+    names: Counter[str] = Counter()
+    for source in sources:
+        names.update(wrapper_launches(source))
+    return KernelCount(sum(names.values()), "cpu", "inductor_wrapper_launches", dict(names)), result
+
+
+_NOT_COMPUTE = ("memcpy", "memset", "Memcpy", "Memset")
+
+
+def count_cuda_kernels(run: Callable[[], object]) -> KernelCount:
+    """Kernel launches during one `run()`, read from the profiler's device events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names: Counter[str] = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not any(s in event.name for s in _NOT_COMPUTE):
+            names[event.name[:120]] += 1
+    return KernelCount(sum(names.values()), "cuda", "profiler_kernel_events", dict(names))

@@ -1,0 +1,247 @@
+"""`inspect`: one decode step of a model, eager / stock Inductor / fusion_compiler, per layer.
+
+Per layer kernels, for each layer kind k = K(stack) − K(stack less one layer of kind k).
+Where dropping that layer would leave a stack without one of the kinds (Qwen3.5's only
+full-attention layer: HF cannot run a cache of linear-attention layers alone), the pair is
+K(stack plus one layer of kind k) − K(stack) instead. Matches and misses come from the
+fusion_compiler compile of the inspected stack, attributed to layers via `nn_module_stack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from .. import _compat
+from ..backend import FusionBackend
+from ..config import FusionConfig
+from ..model_adapters import ModelAdapter, make_decode_step, rms_norm_sites
+from ..verify import relative_error
+from . import counting
+
+log = logging.getLogger("fusion_compiler.inspect")
+
+MODES = ("eager", "inductor", "fusion_compiler")
+FAMILY = "add_rms_norm"
+
+
+@dataclasses.dataclass
+class ModeResult:
+    kernels: counting.KernelCount
+    graphs: int
+    logits: torch.Tensor
+    report: object | None = None
+
+
+def _counting_backend(inner: Callable) -> tuple[Callable, list[int]]:
+    graphs = [0]
+
+    def backend(gm, example_inputs):
+        graphs[0] += 1
+        return inner(gm, example_inputs)
+
+    return backend, graphs
+
+
+def run_mode(model, step, mode: str, device: str, expected: dict | None) -> ModeResult:
+    torch._dynamo.reset()
+    report = None
+    if mode == "eager":
+        fn, graphs = model, [0]
+    elif mode == "inductor":
+        backend, graphs = _counting_backend(_compat.compile_fx)
+        fn = torch.compile(model, backend=backend)
+    else:
+        fusion = FusionBackend(FusionConfig(expected={FAMILY: expected or {}}))
+        backend, graphs = _counting_backend(fusion)
+        fn = torch.compile(model, backend=backend)
+        report = fusion.report
+    if device == "cuda":
+        logits = step.run(fn)  # compile + warm up
+        step.run(fn)
+        kernels = counting.count_cuda_kernels(lambda: step.run(fn))
+    elif mode == "eager":
+        logits = step.run(fn)
+        kernels = counting.count_cpu_eager(lambda: step.run(fn))
+    else:
+        kernels, logits = counting.count_cpu_compiled(lambda: step.run(fn))
+    return ModeResult(kernels, graphs[0], logits.detach().float().cpu(), report)
+
+
+def stack_pairs(kinds: list[str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Layer kind -> (larger stack, smaller stack) whose kernel difference is one such layer."""
+    base = tuple(kinds)
+    pairs = {}
+    for kind in dict.fromkeys(kinds):
+        last = max(i for i, k in enumerate(kinds) if k == kind)
+        smaller = base[:last] + base[last + 1 :]
+        if set(smaller) == set(base):
+            pairs[kind] = (base, smaller)
+        else:
+            pairs[kind] = (base + (kind,), base)
+    return pairs
+
+
+def build_stack(adapter: ModelAdapter, size: str, kinds: tuple[str, ...], device: str, dtype):
+    """The adapter's model with exactly these layer kinds (hybrid models: via `layer_types`)."""
+    overrides = {}
+    config = adapter.hf_config(size, len(kinds))
+    if list(getattr(config, "layer_types", None) or [])[: len(kinds)] == adapter.layer_kinds(config):
+        overrides["layer_types"] = list(kinds)
+    model = adapter.build_hf(size=size, layers=len(kinds), device=device, dtype=dtype, seed=0, **overrides)
+    built = tuple(adapter.layer_kinds(model.config))
+    if built != kinds:
+        raise ValueError(f"{adapter.name}: asked for layer kinds {list(kinds)}, the config gives {list(built)}")
+    return model
+
+
+def inspect_model(
+    adapter: ModelAdapter,
+    size: str,
+    layers: int,
+    device: str,
+    batch: int = 1,
+    context: int = 16,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> dict:
+    dtype = torch.bfloat16
+    kinds = adapter.layer_kinds(adapter.hf_config(size, layers))
+    pairs = stack_pairs(kinds)
+    stacks = list(dict.fromkeys([tuple(kinds)] + [s for pair in pairs.values() for s in pair]))
+    per_stack: dict[tuple[str, ...], dict[str, ModeResult]] = {}
+    expected_full: dict[str, int] = {}
+    for stack in stacks:
+        model = build_stack(adapter, size, stack, device, dtype)
+        expected = rms_norm_sites(model, batch=batch, context=context)
+        if stack == tuple(kinds):
+            expected_full = expected
+        per_stack[stack] = {}
+        for mode in MODES:
+            started = time.perf_counter()
+            step = make_decode_step(model, batch=batch, context=context, seed=0)
+            per_stack[stack][mode] = run_mode(model, step, mode, device, expected)
+            progress(f"{adapter.name}: {len(stack)} layers, {mode}: {per_stack[stack][mode].kernels.count} kernels ({time.perf_counter() - started:.0f} s)")
+        del model
+
+    full = per_stack[tuple(kinds)]
+    report = full["fusion_compiler"].report
+    per_kind = {
+        kind: {mode: (per_stack[big][mode].kernels - per_stack[small][mode].kernels) for mode in MODES}
+        for kind, (big, small) in pairs.items()
+    }
+    found = report.per_layer(FAMILY)
+    expected_per_layer = report.expected_per_layer(FAMILY)
+    misses = report.misses(FAMILY)
+    layer_rows = []
+    for i, kind in enumerate(kinds):
+        layer_rows.append(
+            {
+                "layer": i,
+                "kind": kind,
+                "kernels": {mode: per_kind[kind][mode].to_dict() for mode in MODES},
+                "matches": {FAMILY: {"found": found.get(i, 0), "expected": expected_per_layer.get(i, 0)}},
+                "misses": [
+                    {"module": m.module, "node": m.stopped_at, "reason": m.reason} for m in misses if m.layer == i
+                ],
+            }
+        )
+    eager_logits = full["eager"].logits
+    return {
+        "model": adapter.name,
+        "size": size,
+        "layers": layers,
+        "device": device,
+        "batch": batch,
+        "context": context,
+        "versions": versions(),
+        "per_layer": layer_rows,
+        "kernel_pairs": {kind: {"stack": list(big), "less": list(small)} for kind, (big, small) in pairs.items()},
+        "outside_layers": {
+            "matches": {FAMILY: {"found": found.get(None, 0), "expected": expected_per_layer.get(None, 0)}},
+            "misses": [{"module": m.module, "node": m.stopped_at, "reason": m.reason} for m in misses if m.layer is None],
+        },
+        "whole_step_kernels": {mode: full[mode].kernels.to_dict() for mode in MODES},
+        "graphs": {mode: full[mode].graphs for mode in MODES},
+        "relative_error_vs_eager": {
+            mode: relative_error(full[mode].logits, eager_logits) for mode in MODES if mode != "eager"
+        },
+        "expected_sites": expected_full,
+        "match_summary": report.summary(),
+    }
+
+
+def versions() -> dict:
+    """Every result records what produced it."""
+    import transformers
+    import triton
+
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def format_table(result: dict) -> str:
+    head = f"{result['model']} ({result['size']}, {result['layers']} layers, {result['device']}, batch {result['batch']})"
+    source = {m: result["per_layer"][0]["kernels"][m]["count_source"] for m in MODES}
+    lines = [
+        head,
+        f"kernels per layer = K(stack) - K(stack less one layer) per kind; sources: " + ", ".join(f"{m}={s}" for m, s in source.items()),
+        f"{'layer':>5} {'kind':<16} {'eager':>6} {'inductor':>9} {'fusion':>7}  {'add_rms_norm':>12}",
+    ]
+    for row in result["per_layer"]:
+        k = row["kernels"]
+        m = row["matches"][FAMILY]
+        lines.append(
+            f"{row['layer']:>5} {row['kind']:<16} {k['eager']['count']:>6} {k['inductor']['count']:>9} "
+            f"{k['fusion_compiler']['count']:>7}  {m['found']:>5}/{m['expected']:<6}"
+        )
+        for miss in row["misses"]:
+            lines.append(f"        miss {miss['module']} at {miss['node']}: {miss['reason']}")
+    out = result["outside_layers"]["matches"][FAMILY]
+    lines.append(f"{'-':>5} {'outside layers':<16} {'':>6} {'':>9} {'':>7}  {out['found']:>5}/{out['expected']:<6}")
+    for miss in result["outside_layers"]["misses"]:
+        lines.append(f"        miss {miss['module']} at {miss['node']}: {miss['reason']}")
+    lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = []
+    for result in results:
+        seen = set()
+        for row in result["per_layer"]:
+            if row["kind"] in seen:
+                continue
+            seen.add(row["kind"])
+            bars.append((f"{result['model']}\n{row['kind']}", [row["kernels"][m]["count"] for m in MODES]))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(bars)), 4.4))
+    width = 0.27
+    for j, mode in enumerate(MODES):
+        ax.bar([i + (j - 1) * width for i in range(len(bars))], [b[1][j] for b in bars], width, label=mode)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    kernels = results[0]["per_layer"][0]["kernels"]
+    ax.set_ylabel("kernels per decoder layer")
+    ax.set_title("one decode step: kernels for one decoder layer of each kind", fontsize=10)
+    fig.text(
+        0.01, 0.01,
+        f"{results[0]['device']}: eager = {kernels['eager']['count_source']}, compiled = {kernels['inductor']['count_source']}",
+        fontsize=7,
+    )
+    ax.legend()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,99 @@
+"""Model adapters: tiny/real HF configs, random-weight builders and decode-step helpers for the
+target models (DeepSeek V3.2, MiniMax-M2.5, Qwen3.5 MoE) and for generic HF configs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import deepseek_v32, minimax_m2, qwen35
+from .base import (
+    DEFAULT_ATTN_IMPLEMENTATION,
+    DEFAULT_EXPERTS_IMPLEMENTATION,
+    DecodeStep,
+    ModelAdapter,
+    generic_layer_kinds,
+    is_rms_norm,
+    layer_of,
+    make_decode_step,
+    randomize_weights_,
+    rms_norm_modules,
+    rms_norm_sites,
+)
+
+ADAPTERS: dict[str, ModelAdapter] = {
+    a.name: a for a in (deepseek_v32.ADAPTER, minimax_m2.ADAPTER, qwen35.ADAPTER)
+}
+
+
+def get_adapter(name: str) -> ModelAdapter:
+    """The adapter called ``name`` (one of ``ADAPTERS``); ValueError listing the valid names."""
+    try:
+        return ADAPTERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(ADAPTERS))}") from None
+
+
+# Keys of a saved config.json that are metadata, not config-class kwargs.
+_META_KEYS = ("model_type", "transformers_version", "_name_or_path", "auto_map")
+
+
+def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
+    """Adapter for any transformers config JSON that names its ``model_type`` (llama, qwen3, ...).
+
+    The file's widths are used as both the tiny and the real config (write a small config for CPU
+    work); ``default_layers`` is its ``num_hidden_layers``. Layer kinds: "decoder" per layer.
+    Raises ValueError if the file is missing, is not a JSON object, has no ``model_type``, or names
+    a model_type this transformers does not know.
+    """
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise ValueError(f"HF config file not found: {p!r}")
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"HF config file {p!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"HF config file {p!r} must hold a JSON object, got {type(data).__name__}")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"HF config file {p!r} has no 'model_type' key")
+
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"HF config file {p!r}: model_type {model_type!r} is not known to transformers")
+
+    cfg = {k: v for k, v in data.items() if k not in _META_KEYS}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        layers = 2
+    return ModelAdapter(
+        name=model_type,
+        model_type=model_type,
+        real_config=cfg,
+        tiny_config=cfg,
+        default_layers=layers,
+        layer_kind_fn=generic_layer_kinds,
+        # None: leave the choice to transformers (dense models reject any experts_implementation).
+        experts_implementation=None,
+    )
+
+
+__all__ = [
+    "ADAPTERS",
+    "DEFAULT_ATTN_IMPLEMENTATION",
+    "DEFAULT_EXPERTS_IMPLEMENTATION",
+    "DecodeStep",
+    "ModelAdapter",
+    "adapter_from_hf_config",
+    "get_adapter",
+    "is_rms_norm",
+    "layer_of",
+    "make_decode_step",
+    "randomize_weights_",
+    "rms_norm_modules",
+    "rms_norm_sites",
+]

@@ -1,0 +1,478 @@
+"""Generic HF helpers shared by the model adapters.
+
+* :class:`ModelAdapter` -- one model family: real/tiny configs, building a randomly initialised
+  HF ``*ForCausalLM`` and naming the kind of each decoder layer.
+* :func:`make_decode_step` / :class:`DecodeStep` -- an eagerly prefilled ``StaticCache`` plus the
+  kwargs of one next-token step, runnable by the eager model and by ``torch.compile(model)``.
+* :func:`rms_norm_sites` -- the RMSNorm modules that really run in one decode step (found with
+  forward hooks, not written by hand) and how often each runs.
+
+Only random weights are used: nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..module_paths import layer_of
+
+# Experts implementation used when none is asked for: "grouped_mm" (the transformers 5.17 default,
+# torch.nn.functional.grouped_mm over the full expert weights with per-expert offsets). Checked on
+# torch 2.13 CPU and torch 2.11 H200: eager decode matches the "eager" loop to 1e-6 (fp32) and
+# torch.compile(backend="inductor") traces the whole decode step with 0 graph breaks.
+# Alternatives (pass `experts_implementation=`): "eager" is a Python loop over the experts hit
+# (`nonzero`: 8 graph breaks for a 2-layer tiny MiniMax, one graph per expert loop); "batched_mm"
+# is also break-free but gathers the top-k experts' weights (gate_up_proj[expert_ids]) into a copy,
+# i.e. ~0.5 GB per DSv3.2 layer per decode step at real size.
+DEFAULT_EXPERTS_IMPLEMENTATION = "grouped_mm"
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+
+# Random-init scales (see `randomize_weights_`).
+_INIT_STD = 0.02
+_NORM_WEIGHT_STD = 0.1
+
+
+# --------------------------------------------------------------------------------------------------
+# Module classification helpers
+# --------------------------------------------------------------------------------------------------
+
+def is_rms_norm(module: torch.nn.Module) -> bool:
+    """True for RMSNorm modules: ``torch.nn.RMSNorm`` or any class whose name contains "RMSNorm"
+    (so gated norms such as ``Qwen3_5MoeRMSNormGated`` count). LayerNorm never counts."""
+    if isinstance(module, torch.nn.LayerNorm):
+        return False
+    return isinstance(module, torch.nn.RMSNorm) or "RMSNorm" in type(module).__name__
+
+
+def generic_layer_kinds(config) -> list[str]:
+    """Dense decoder stacks: one "decoder" per layer."""
+    return ["decoder"] * int(config.num_hidden_layers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Random initialisation
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def randomize_weights_(model: torch.nn.Module, generator_seed: int) -> None:
+    """Make HF's random init informative for tests (in place, deterministic for a seed).
+
+    * RMSNorm weights: HF inits them to ones (``x*w``) or, for Gemma-style ``x*(1+w)`` norms, to
+      zeros. Either way a missing weight multiply would go unseen, so: ones -> ``1 + 0.1*randn``,
+      zeros (Gemma-style) -> ``0.1*randn``.
+    * LayerNorm: weight -> ``1 + 0.1*randn``; its bias (zeros) follows the rule below.
+    * Any other floating parameter or persistent buffer left all-zero (biases, the routers'
+      ``e_score_correction_bias``) or non-finite -> ``normal(0, 0.02)``.
+    Non-persistent buffers (RoPE ``inv_freq``) are left alone.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(generator_seed))
+
+    def randn_like(t: torch.Tensor) -> torch.Tensor:
+        # Draw on CPU (fp32) so the values do not depend on the device; then move.
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+
+    def big(t: torch.Tensor) -> bool:
+        return t.numel() > 50_000_000  # real-size tensors: draw on device instead (CPU draw too slow)
+
+    def fill_normal_(t: torch.Tensor, mean: float, std: float) -> None:
+        if big(t):
+            t.normal_(mean, std)
+        else:
+            t.copy_(randn_like(t) * std + mean)
+
+    done: set[int] = set()
+    for _, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            continue
+        if is_rms_norm(mod):
+            gemma_style = bool((w == 0).all())
+            fill_normal_(w, 0.0 if gemma_style else 1.0, _NORM_WEIGHT_STD)
+            done.add(id(w))
+        elif isinstance(mod, torch.nn.LayerNorm) and mod.elementwise_affine:
+            fill_normal_(w, 1.0, _NORM_WEIGHT_STD)
+            done.add(id(w))
+
+    for _, mod in model.named_modules():
+        non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
+        tensors = [(n, p) for n, p in mod.named_parameters(recurse=False)]
+        tensors += [(n, b) for n, b in mod.named_buffers(recurse=False) if n not in non_persistent]
+        for n, t in tensors:
+            if t is None or id(t) in done or not t.is_floating_point() or t.numel() == 0:
+                continue
+            if bool((t == 0).all()) or not bool(torch.isfinite(t).all()):
+                fill_normal_(t, 0.0, _INIT_STD)
+            done.add(id(t))
+
+
+# --------------------------------------------------------------------------------------------------
+# ModelAdapter
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """One model family.
+
+    ``real_config`` / ``tiny_config`` are kwargs for the HF config class of ``model_type`` (minus
+    ``num_hidden_layers``, which :meth:`hf_config` sets). ``layer_config_fn(cfg_dict, layers)`` may
+    return extra keys that depend on the stack depth (e.g. Qwen3.5 ``layer_types``).
+    """
+
+    name: str
+    model_type: str
+    real_config: dict
+    tiny_config: dict
+    default_layers: int
+    layer_kind_fn: Callable[[Any], list[str]] = field(default=generic_layer_kinds, repr=False, compare=False)
+    layer_config_fn: Callable[[dict, int], dict] | None = field(default=None, repr=False, compare=False)
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+    experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION  # None: non-MoE model
+
+    # ---- config -----------------------------------------------------------------------------
+    def config_dict(self, size: str = "tiny", layers: int | None = None) -> dict:
+        """The kwargs :meth:`hf_config` passes to the HF config class (a fresh deep copy)."""
+        if size == "tiny":
+            base = self.tiny_config
+        elif size == "real":
+            base = self.real_config
+        else:
+            raise ValueError(f"size must be 'tiny' or 'real', got {size!r}")
+        n = self.default_layers if layers is None else int(layers)
+        if n < 1:
+            raise ValueError(f"layers must be >= 1, got {n}")
+        cfg = copy.deepcopy(base)
+        cfg["num_hidden_layers"] = n
+        if self.layer_config_fn is not None:
+            cfg.update(self.layer_config_fn(cfg, n))
+        return cfg
+
+    def hf_config(
+        self,
+        size: str = "tiny",
+        layers: int | None = None,
+        *,
+        attn_implementation: str | None = None,
+        experts_implementation: str | None = None,
+        **overrides,
+    ):
+        """A transformers ``PreTrainedConfig`` (the text/decoder config for VLM wrappers) with
+        ``num_hidden_layers = layers`` (default :attr:`default_layers`). ``overrides`` replace keys."""
+        from transformers import AutoConfig
+
+        cfg = self.config_dict(size, layers)
+        cfg.update(overrides)
+        attn = attn_implementation or self.attn_implementation
+        experts = experts_implementation or self.experts_implementation
+        kwargs = dict(cfg)
+        kwargs["attn_implementation"] = attn
+        if experts is not None:
+            kwargs["experts_implementation"] = experts
+        config = AutoConfig.for_model(self.model_type, **kwargs)
+        sub = getattr(config, "text_config", None)
+        if sub is not None and sub is not config:
+            config = config.get_text_config(decoder=True)
+        return config
+
+    # ---- model ------------------------------------------------------------------------------
+    def build_hf(
+        self,
+        size: str = "tiny",
+        layers: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        seed: int = 0,
+        *,
+        attn_implementation: str | None = None,
+        experts_implementation: str | None = None,
+        **overrides,
+    ) -> torch.nn.Module:
+        """HF ``*ForCausalLM`` with seeded random weights, ``eval()``, parameters allocated directly
+        on ``device`` in ``dtype`` (fp32-by-design buffers such as ``e_score_correction_bias`` stay
+        fp32). Same seed + same device -> identical weights."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.hf_config(
+            size,
+            layers,
+            attn_implementation=attn_implementation,
+            experts_implementation=experts_implementation,
+            **overrides,
+        )
+        device = torch.device(device)
+        fork_devices = []
+        if device.type == "cuda":
+            fork_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            randomize_weights_(model, generator_seed=seed + 1)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def layer_kinds(self, config) -> list[str]:
+        """One kind string per decoder layer of ``config``."""
+        return list(self.layer_kind_fn(config))
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode step
+# --------------------------------------------------------------------------------------------------
+
+
+def _logits_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(out, dict):
+        return out["logits"]
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"cannot find logits in {type(out).__name__}")
+
+
+def _restore_(live: Any, snap: Any) -> Any:
+    """Copy the state of ``snap`` into ``live`` in place where possible (keeps tensor identity,
+    which compiled graphs / CUDA graphs rely on); returns the value ``live`` should hold."""
+    if isinstance(snap, torch.Tensor):
+        if (
+            isinstance(live, torch.Tensor)
+            and live.shape == snap.shape
+            and live.dtype == snap.dtype
+            and live.device == snap.device
+        ):
+            live.copy_(snap)
+            return live
+        return snap.clone()
+    if isinstance(snap, dict):
+        if not isinstance(live, dict):
+            return copy.deepcopy(snap)
+        for k in list(live.keys()):
+            if k not in snap:
+                del live[k]
+        for k, v in snap.items():
+            live[k] = _restore_(live.get(k), v)
+        return live
+    if isinstance(snap, list):
+        if not isinstance(live, list) or len(live) != len(snap):
+            return copy.deepcopy(snap)
+        for i, v in enumerate(snap):
+            live[i] = _restore_(live[i], v)
+        return live
+    if hasattr(snap, "__dict__") and not isinstance(snap, type) and type(live) is type(snap):
+        for k, v in vars(snap).items():
+            setattr(live, k, _restore_(getattr(live, k, None), v))
+        return live
+    return copy.deepcopy(snap)
+
+
+class DecodeStep:
+    """Everything needed to run one decode step: a cache prefilled eagerly with ``context`` random
+    tokens and the kwargs of the next single-token step.
+
+    ``run(fn)`` calls ``fn(**kwargs)`` under ``torch.no_grad()`` and returns the logits
+    ``[batch, 1, vocab]``. The first ``run`` uses the cache as prefilled; every later ``run``
+    first restores the cache in place to its post-prefill state, so repeated runs see identical
+    inputs (the tensors keep their identity: no recompiles). ``fresh()`` returns an independent
+    step with the same inputs and a copy of the same post-prefill cache.
+    """
+
+    def __init__(
+        self,
+        *,
+        kwargs: dict,
+        cache_kind: str,
+        batch: int,
+        context: int,
+        seed: int,
+        max_cache_len: int | None,
+        prefill_input_ids: torch.Tensor,
+        prefill_logits: torch.Tensor,
+        snapshot: Any,
+    ):
+        self.kwargs = kwargs
+        self.cache_kind = cache_kind
+        self.batch = batch
+        self.context = context
+        self.seed = seed
+        self.max_cache_len = max_cache_len
+        self.prefill_input_ids = prefill_input_ids
+        self.prefill_logits = prefill_logits
+        self._snapshot = snapshot  # pristine deep copy of the post-prefill cache
+        self._dirty = False
+
+    @property
+    def cache(self):
+        return self.kwargs["past_key_values"]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.kwargs["input_ids"]
+
+    def reset(self) -> None:
+        """Restore the cache, in place, to its post-prefill contents."""
+        _restore_(self.cache, self._snapshot)
+        self._dirty = False
+
+    def run(self, fn: Callable[..., Any]) -> torch.Tensor:
+        if self._dirty:
+            self.reset()
+        self._dirty = True
+        with torch.no_grad():
+            out = fn(**self.kwargs)
+        return _logits_of(out)
+
+    def fresh(self) -> DecodeStep:
+        """A new, independent step: same input ids/positions, a deep copy of the pristine cache."""
+        kwargs = dict(self.kwargs)
+        kwargs["past_key_values"] = copy.deepcopy(self._snapshot)
+        for k, v in list(kwargs.items()):
+            if isinstance(v, torch.Tensor):
+                kwargs[k] = v.clone()
+        return DecodeStep(
+            kwargs=kwargs,
+            cache_kind=self.cache_kind,
+            batch=self.batch,
+            context=self.context,
+            seed=self.seed,
+            max_cache_len=self.max_cache_len,
+            prefill_input_ids=self.prefill_input_ids,
+            prefill_logits=self.prefill_logits,
+            snapshot=self._snapshot,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeStep(batch={self.batch}, context={self.context}, cache_kind={self.cache_kind!r}, "
+            f"max_cache_len={self.max_cache_len}, seed={self.seed})"
+        )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _default_max_cache_len(context: int) -> int:
+    # Room for the decode token, rounded up to a multiple of 16: the static cache then also holds
+    # a few empty (masked) slots, as it does in real serving.
+    return int(math.ceil((context + 1) / 16) * 16)
+
+
+def make_decode_step(
+    model: torch.nn.Module,
+    batch: int = 1,
+    context: int = 16,
+    seed: int = 0,
+    max_cache_len: int | None = None,
+) -> DecodeStep:
+    """Prefill a cache eagerly with ``context`` random tokens (seeded) and return the step that
+    decodes the next (random) token at position ``context``.
+
+    A transformers ``StaticCache`` of ``max_cache_len`` slots (default: ``context + 1`` rounded up
+    to 16) is preferred; if it cannot be built or prefilled for this model a ``DynamicCache`` is
+    used and ``step.cache_kind`` says ``"dynamic"``. kwargs: ``input_ids [batch, 1]``,
+    ``position_ids [batch, 1]``, ``past_key_values``, ``use_cache=True``. (transformers 5.17 models
+    take no ``cache_position``: static layers keep their own write position; the causal mask is built
+    from ``position_ids`` and the cache.)
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if batch < 1 or context < 1:
+        raise ValueError("batch and context must be >= 1")
+    device = _model_device(model)
+    config = model.config
+    vocab = int(config.get_text_config(decoder=True).vocab_size)
+    if max_cache_len is None:
+        max_cache_len = _default_max_cache_len(context)
+    if max_cache_len < context + 1:
+        raise ValueError(f"max_cache_len={max_cache_len} < context + 1 = {context + 1}")
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed))
+    prefill_ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
+    next_ids = torch.randint(0, vocab, (batch, 1), generator=gen).to(device)
+    prefill_pos = torch.arange(context, device=device).unsqueeze(0).expand(batch, -1).contiguous()
+    next_pos = torch.full((batch, 1), context, dtype=torch.long, device=device)
+
+    def prefill(cache):
+        with torch.no_grad():
+            out = model(input_ids=prefill_ids, position_ids=prefill_pos, past_key_values=cache, use_cache=True)
+        return _logits_of(out)
+
+    cache_kind = "static"
+    try:
+        cache = StaticCache(config=config, max_cache_len=max_cache_len)
+        prefill_logits = prefill(cache)
+    except Exception:  # noqa: BLE001 - fall back only when the static cache is unusable
+        cache_kind = "dynamic"
+        max_cache_len = None
+        cache = DynamicCache(config=config)
+        prefill_logits = prefill(cache)
+
+    snapshot = copy.deepcopy(cache)
+    kwargs = {
+        "input_ids": next_ids,
+        "position_ids": next_pos,
+        "past_key_values": cache,
+        "use_cache": True,
+    }
+    return DecodeStep(
+        kwargs=kwargs,
+        cache_kind=cache_kind,
+        batch=batch,
+        context=context,
+        seed=seed,
+        max_cache_len=max_cache_len,
+        prefill_input_ids=prefill_ids,
+        prefill_logits=prefill_logits,
+        snapshot=snapshot,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm sites
+# --------------------------------------------------------------------------------------------------
+
+
+def rms_norm_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """All RMSNorm modules of the tree (whether or not they run in decode), by module path."""
+    return {name: m for name, m in model.named_modules() if name and is_rms_norm(m)}
+
+
+def rms_norm_sites(model: torch.nn.Module, batch: int = 1, context: int = 16, seed: int = 0) -> dict[str, int]:
+    """RMSNorm sites that actually run in one decode step: module path -> calls per decode forward.
+
+    Derived, not hand-written: forward hooks count the calls of every RMSNorm module (see
+    :func:`is_rms_norm`) while the model runs one decode step (the prefill is not counted).
+    Modules that exist but do not run at decode are left out.
+    """
+    mods = rms_norm_modules(model)
+    step = make_decode_step(model, batch=batch, context=context, seed=seed)
+    counts = dict.fromkeys(mods, 0)
+    handles = []
+    for name, m in mods.items():
+
+        def hook(_m, _args, _out, _name=name):
+            counts[_name] += 1
+
+        handles.append(m.register_forward_hook(hook))
+    try:
+        step.run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: n for name, n in counts.items() if n > 0}

@@ -1,0 +1,4 @@
+from .fusion_pass import FusionPass, MissedSiteError
+from .report import GraphReport, MatchReport, Site
+
+__all__ = ["FusionPass", "GraphReport", "MatchReport", "MissedSiteError", "Site"]

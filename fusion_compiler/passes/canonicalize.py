@@ -1,0 +1,42 @@
+"""Rewrite equivalent spellings into the one form the patterns are traced in.
+
+Real graphs say the same thing several ways: `nn.RMSNorm` reduces over `[1]` where HF
+code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
+`add.Tensor`. Without this, a pattern silently matches one spelling and misses the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Returns the number of nodes rewritten."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.add.Scalar and len(node.args) == 2 and not node.kwargs:
+            node.target = aten.add.Tensor
+            changed += 1
+        elif node.target in _REDUCTIONS and len(node.args) > 1:
+            changed += _negative_dims(node)
+    return changed
+
+
+def _negative_dims(node: torch.fx.Node) -> int:
+    source = node.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    dims = node.args[1]
+    if value is None or not isinstance(dims, (list, tuple)):
+        return 0
+    rank = value.dim()
+    negative = [d - rank if d >= 0 else d for d in dims]
+    if negative == list(dims):
+        return 0
+    node.args = (source, negative, *node.args[2:])
+    return 1

@@ -1,0 +1,121 @@
+"""FusionPass: the one post-grad pass that runs every enabled family in a fixed order."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .. import _compat
+from ..config import FusionConfig
+from ..patterns import FAMILIES
+from ..patterns.registry import Family, failed_match_reason, run_family, source_text
+from . import canonicalize as canonicalize_module
+from .report import GraphReport, MatchReport, Site, expected_modules, merge_expected, module_path
+
+log = logging.getLogger("fusion_compiler")
+
+
+class MissedSiteError(RuntimeError):
+    """strict=True and an expected site did not fuse."""
+
+
+class FusionPass(_compat.CustomGraphPass):
+    """Canonicalise, then run each enabled family (order: `config.FAMILY_ORDER`), then clean up.
+
+    Every call appends a `GraphReport` to `self.report`. `uuid()` covers pattern
+    sources, kernel versions and the config, so Inductor's caches stay correct.
+    """
+
+    def __init__(self, config: FusionConfig | None = None, on_graph: Callable[[GraphReport], None] | None = None):
+        self.config = config or FusionConfig()
+        self.report = MatchReport()
+        self._on_graph = on_graph
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        graph_report = GraphReport(
+            graph_index=len(self.report.graphs),
+            expected=merge_expected(self.config.expected),
+            modules_in_graph=expected_modules(graph),
+        )
+        canonicalize_module.canonicalize(graph)
+        for family_name in self.config.enabled_families():
+            family = FAMILIES[family_name]
+            graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph))
+        graph.eliminate_dead_code()
+        _compat.stable_topological_sort(graph)
+        graph.lint()
+        self.report.graphs.append(graph_report)
+        self._log(graph_report)
+        if self._on_graph is not None:
+            self._on_graph(graph_report)
+        missing = graph_report.missing_expected()
+        if missing and self.config.strict:
+            raise MissedSiteError(_format_missing(graph_report, missing))
+
+    def _run(self, family: Family, lowering: str, graph: torch.fx.Graph) -> list[Site]:
+        anchors = [(n, module_path(n)) for n in graph.nodes if family.is_site(n)]
+        recorder = run_family(family, lowering, graph)
+        sites = []
+        for anchor, module in anchors:
+            if getattr(anchor, "_erased", False):
+                variant = recorder.accepted.get(anchor, "?")
+                sites.append(Site(family.name, "matched", variant, module, anchor.name))
+                continue
+            sites.append(self._miss(family, lowering, anchor, module, recorder.declined.get(anchor)))
+        return sites
+
+    @staticmethod
+    def _miss(family: Family, lowering: str, anchor, module, declined) -> Site:
+        where = family.explain(anchor) or failed_match_reason(family, lowering, anchor)
+        if declined:
+            # The guard's words are the reason; a variant traced for several dtypes
+            # declines once per trace, so say each reason once.
+            reason = "; ".join(dict.fromkeys(f"{variant}: {why}" for variant, why in declined))
+            return Site(family.name, "missed", None, module, anchor.name, reason, (where or (anchor,))[0].name)
+        if where is None:
+            return Site(family.name, "missed", None, module, anchor.name, "no variant matched", anchor.name)
+        node, reason = where
+        return Site(family.name, "missed", None, module, anchor.name, reason, node.name)
+
+    def _log(self, graph_report: GraphReport) -> None:
+        one = MatchReport([graph_report])
+        log.info("fusion_compiler graph %d: %s", graph_report.graph_index, one.summary())
+        for site in graph_report.missed():
+            log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
+        for family, module, expected, found in graph_report.missing_expected():
+            log.warning("fusion_compiler: expected %d %s at %s, fused %d", expected, family, module, found)
+
+    def uuid(self) -> str:
+        return pass_uuid(self.config)
+
+
+def pass_uuid(config: FusionConfig) -> str:
+    digest = hashlib.sha256()
+    digest.update(config.cache_key().encode())
+    digest.update(inspect.getsource(canonicalize_module).encode())
+    for name in config.enabled_families():
+        family = FAMILIES[name]
+        digest.update(source_text(family).encode())
+        for version in family_kernel_versions(family):
+            digest.update(version.encode())
+    return digest.hexdigest()
+
+
+def family_kernel_versions(family: Family) -> list[str]:
+    from .. import kernels
+
+    return [f"{family.name}:{kernels.KERNEL_VERSIONS.get(family.name, 'none')}"]
+
+
+def _format_missing(graph_report: GraphReport, missing) -> str:
+    lines = [f"strict mode: {len(missing)} expected site(s) did not fuse:"]
+    by_module = {s.module: s for s in graph_report.missed()}
+    for family, module, expected, found in missing:
+        miss = by_module.get(module)
+        why = f" — {miss.reason} (stopped at {miss.stopped_at})" if miss else " — no candidate node found there"
+        lines.append(f"  {family} at {module}: expected {expected}, fused {found}{why}")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The match report: what fused where, what was expected, and why each miss missed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+
+import torch
+
+from ..module_paths import layer_of, normalize_module_path
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module a node came from, as `named_modules()` spells it."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    return normalize_module_path(next(reversed(stack.values()))[0])
+
+
+@dataclasses.dataclass
+class Site:
+    family: str
+    status: str  # "matched" | "missed"
+    variant: str | None
+    module: str | None
+    anchor: str
+    reason: str | None = None  # for a miss: why
+    stopped_at: str | None = None  # for a miss: the node where matching stopped
+
+    @property
+    def layer(self) -> int | None:
+        return layer_of(self.module)
+
+
+@dataclasses.dataclass
+class GraphReport:
+    graph_index: int
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    expected: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    modules_in_graph: set[str] = dataclasses.field(default_factory=set)
+
+    def matched(self, family: str | None = None) -> list[Site]:
+        return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
+
+    def missed(self, family: str | None = None) -> list[Site]:
+        return [s for s in self.sites if s.status == "missed" and family in (None, s.family)]
+
+    def missing_expected(self) -> list[tuple[str, str, int, int]]:
+        """(family, module, expected, found) for expected modules this graph holds but did not fuse."""
+        out = []
+        for family, per_module in self.expected.items():
+            found = Counter(s.module for s in self.matched(family))
+            for module, count in per_module.items():
+                if module in self.modules_in_graph and found[module] < count:
+                    out.append((family, module, count, found[module]))
+        return out
+
+
+@dataclasses.dataclass
+class MatchReport:
+    """All graphs one backend compiled. Counts are summed over graphs."""
+
+    graphs: list[GraphReport] = dataclasses.field(default_factory=list)
+
+    @property
+    def sites(self) -> list[Site]:
+        return [s for g in self.graphs for s in g.sites]
+
+    def count(self, family: str | None = None, variant: str | None = None) -> int:
+        return sum(
+            1
+            for s in self.sites
+            if s.status == "matched" and family in (None, s.family) and variant in (None, s.variant)
+        )
+
+    def per_variant(self) -> dict[str, int]:
+        return dict(Counter(s.variant for s in self.sites if s.status == "matched"))
+
+    def per_layer(self, family: str) -> dict[int | None, int]:
+        return dict(Counter(s.layer for s in self.sites if s.status == "matched" and s.family == family))
+
+    def per_module(self, family: str) -> dict[str | None, int]:
+        return dict(Counter(s.module for s in self.sites if s.status == "matched" and s.family == family))
+
+    def misses(self, family: str | None = None) -> list[Site]:
+        return [s for s in self.sites if s.status == "missed" and family in (None, s.family)]
+
+    def expected_per_layer(self, family: str) -> dict[int | None, int]:
+        out: dict[int | None, int] = defaultdict(int)
+        modules = {}
+        for g in self.graphs:
+            modules.update(g.expected.get(family, {}))
+        for module, count in modules.items():
+            out[layer_of(module)] += count
+        return dict(out)
+
+    def missing_expected(self) -> list[tuple[str, str, int, int]]:
+        return [m for g in self.graphs for m in g.missing_expected()]
+
+    def summary(self) -> str:
+        fams = sorted({s.family for s in self.sites})
+        parts = []
+        for family in fams:
+            found = self.count(family)
+            total = sum(1 for s in self.sites if s.family == family)
+            parts.append(f"{family} {found}/{total} sites fused")
+        missing = self.missing_expected()
+        if missing:
+            parts.append(f"{len(missing)} expected modules not fused")
+        return "; ".join(parts) or "no candidate sites"
+
+    def to_dict(self) -> dict:
+        return {
+            "graphs": len(self.graphs),
+            "matches": self.per_variant(),
+            "sites": [dataclasses.asdict(s) | {"layer": s.layer} for s in self.sites],
+            "missing_expected": [
+                {"family": f, "module": m, "expected": e, "found": n} for f, m, e, n in self.missing_expected()
+            ],
+        }
+
+    def format(self) -> str:
+        lines = [self.summary()]
+        for s in self.misses():
+            lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
+        for family, module, expected, found in self.missing_expected():
+            lines.append(f"  expected {expected} {family} at {module}, fused {found}")
+        return "\n".join(lines)
+
+
+def expected_modules(graph: torch.fx.Graph) -> set[str]:
+    """Every module path (and its parents) that some node of the graph came from."""
+    seen: set[str] = set()
+    for node in graph.nodes:
+        for raw, _ in (node.meta.get("nn_module_stack") or {}).values():
+            seen.add(normalize_module_path(raw))
+    return seen
+
+
+def merge_expected(expected: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    return {family: dict(per_module) for family, per_module in expected.items()}

@@ -1,0 +1,224 @@
+"""Residual add + RMSNorm: the first fusion family.
+
+Variants are the ways real code writes RMSNorm:
+- `hf`: HF transformers' LlamaRMSNorm family (DeepSeek V3.2, MiniMax-M2.5, Qwen3.5's gated
+  norm): normalise in fp32, cast back, then `weight * x` (or `x * weight`).
+- `torch`: `torch.nn.functional.rms_norm` / `nn.RMSNorm` as torch decomposes them:
+  `x * rstd * weight` in fp32, then one cast.
+- `gemma`: Qwen3.5's `x·(1 + w)` norm, in fp32, then one cast.
+
+Each comes with and without the residual add; with it, the add and its sum belong to
+the site (the fused op returns the sum for the next residual).
+
+Until later families exist this family matches every RMSNorm, q/k norms and MLA
+q_a/kv_a norms included; later families run before it and take their norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..ops import rms_norm as rms_norm_ops
+from .registry import Family, Reason, Variant
+
+aten = torch.ops.aten
+
+# A value no real model uses, so the tracer can tell eps apart from the other literals.
+_EPS_EXAMPLE = 1.2345e-6
+
+
+def _normalize(h32: torch.Tensor, eps: float) -> torch.Tensor:
+    return h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def hf(x, weight, eps):
+    return weight * _normalize(x.to(torch.float32), eps).to(x.dtype)
+
+
+def hf_weight_last(x, weight, eps):
+    return _normalize(x.to(torch.float32), eps).to(x.dtype) * weight
+
+
+def torch_functional(x, weight, eps):
+    return (_normalize(x.to(torch.float32), eps) * weight).to(x.dtype)
+
+
+def gemma(x, weight, eps):
+    return (_normalize(x.to(torch.float32), eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def _with_residual(norm):
+    def search(x, residual, weight, eps):
+        total = x + residual
+        return norm(total, weight, eps), total
+
+    search.__name__ = f"add_{norm.__name__}"
+    return search
+
+
+# Most specific first: `torch`'s weight argument would also match Gemma's `(1 + w)` node.
+_NORMS = {
+    "gemma": (gemma, 1.0),
+    "hf": (hf, 0.0),
+    "hf_weight_last": (hf_weight_last, 0.0),
+    "torch": (torch_functional, 0.0),
+}
+
+# The residual variants come first: where both could match, the add belongs to the site.
+VARIANTS = tuple(
+    Variant(f"add_rms_norm.{name}", _with_residual(fn), {"weight_offset": offset, "residual": True})
+    for name, (fn, offset) in _NORMS.items()
+) + tuple(
+    Variant(f"rms_norm.{name}", fn, {"weight_offset": offset, "residual": False})
+    for name, (fn, offset) in _NORMS.items()
+)
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPE_COMBOS = tuple((act, w) for act in _ACT_DTYPES for w in (act, torch.float32))
+
+
+def example_inputs(variant: Variant, combo: tuple[torch.dtype, ...]) -> list:
+    act, weight_dtype = combo
+    x = torch.randn(4, 256, dtype=act)
+    weight = torch.randn(256, dtype=weight_dtype)
+    if variant.params["residual"]:
+        return [x, torch.randn(4, 256, dtype=act), weight, _EPS_EXAMPLE]
+    return [x, weight, _EPS_EXAMPLE]
+
+
+def _out_dtype(variant: Variant, x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # HF multiplies the bf16-cast activation by the weight, so an fp32 weight promotes
+    # the output to fp32; the other variants cast once, at the end, to x's dtype.
+    if variant.name.endswith((".hf", ".hf_weight_last")):
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
+def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
+    eps = values["eps"]
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool):
+        # Also what happens when Dynamo unspecialises a float attribute after a recompile
+        # (automatic dynamic): eps arrives as a 0-d tensor input.
+        return f"eps is a tensor, not a Python number (got {eps}); the fused op takes eps as a constant"
+    if not eps > 0:
+        return f"eps={eps} is not positive"
+    x, weight = values["x"], values["weight"]
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "x or weight has no tensor metadata"
+    if x.dtype not in _ACT_DTYPES:
+        return f"activation dtype {x.dtype} is not one of bf16/fp16/fp32"
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return f"weight shape {tuple(weight.shape)} is not [{x.shape[-1]}] (the normalised dim)"
+    if variant.params["residual"]:
+        residual = values["residual"]
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            return (
+                f"residual {tuple(residual.shape)} {residual.dtype} does not equal "
+                f"x {tuple(x.shape)} {x.dtype} (broadcasting or promoting adds are not fused)"
+            )
+    return None
+
+
+def replacement(variant: Variant, lowering: str):
+    offset = variant.params["weight_offset"]
+    if lowering == "triton":
+        norm, add_norm = torch.ops.fusion_compiler.rms_norm, torch.ops.fusion_compiler.add_rms_norm
+    elif lowering == "inductor":
+        norm, add_norm = rms_norm_ops.rms_norm_reference, rms_norm_ops.add_rms_norm_reference
+    else:
+        raise ValueError(f"no replacement for lowering {lowering!r}")
+
+    if variant.params["residual"]:
+
+        def replace_add_norm(x, residual, weight, eps):
+            out, total = add_norm(x, residual, weight, eps, offset, _out_dtype(variant, x, weight))
+            return out, total
+
+        return replace_add_norm
+
+    def replace_norm(x, weight, eps):
+        return norm(x, weight, eps, offset, _out_dtype(variant, x, weight))
+
+    return replace_norm
+
+
+def scalars_of(nodes: list[torch.fx.Node]) -> dict[str, Any]:
+    """eps: the addend beside the mean under the site's rsqrt (a number, or a node)."""
+    for node in nodes:
+        if is_site(node) and node.args[0].target is aten.add.Tensor:
+            add = node.args[0]
+            return {"eps": next(a for a in add.args if not (isinstance(a, torch.fx.Node) and a.target is aten.mean.dim))}
+    return {}
+
+
+def is_site(node: torch.fx.Node) -> bool:
+    """An RMSNorm candidate: rsqrt of (mean of something [+ eps])."""
+    if node.op != "call_function" or node.target is not aten.rsqrt.default:
+        return False
+    arg = node.args[0]
+    if isinstance(arg, torch.fx.Node) and arg.target in (aten.add.Tensor, aten.add.Scalar):
+        arg = next((a for a in arg.args if isinstance(a, torch.fx.Node) and a.target is aten.mean.dim), arg)
+    return isinstance(arg, torch.fx.Node) and arg.target is aten.mean.dim
+
+
+def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """Say where an RMSNorm candidate departs from every variant, in model terms."""
+    arg = anchor.args[0]
+    if arg.target is aten.mean.dim:
+        return arg, "rsqrt(mean(x²)) has no + eps"
+    mean = next(a for a in arg.args if isinstance(a, torch.fx.Node) and a.target is aten.mean.dim)
+    eps = [a for a in arg.args if a is not mean]
+    if eps and isinstance(eps[0], torch.fx.Node):
+        return arg, f"eps is a tensor ({eps[0].name}), not a Python number"
+    dims = list(mean.args[1]) if len(mean.args) > 1 else []
+    if dims != [-1]:
+        return mean, f"the mean reduces dims {dims}, not the last dim"
+    square = mean.args[0]
+    if not (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2):
+        return mean, f"the mean is over {square.target}, not x**2"
+    upcast = square.args[0]
+    scaled = [u for u in anchor.users if u.target is aten.mul.Tensor and upcast in u.args]
+    core = {upcast, square, mean, arg, anchor, *scaled}
+    for node in (upcast, square, mean, arg, anchor):
+        outside = [u for u in node.users if u not in core]
+        if outside:
+            return _escapes(node, outside)
+    # Past the normalisation, the norm's own module tells its last node from its intermediates.
+    module = _module_path(anchor)
+    if module:
+        inside = [n for n in anchor.graph.nodes if _module_path(n) == module]
+        members = set(inside)
+        leaving = [n for n in inside if any(u not in members for u in n.users)]
+        for node in leaving[:-1]:
+            return _escapes(node, [u for u in node.users if u not in members])
+    return None
+
+
+def _escapes(node: torch.fx.Node, outside: list[torch.fx.Node]) -> tuple[torch.fx.Node, str]:
+    return node, (
+        f"{node.name} is also used by {', '.join(u.name for u in outside)}, "
+        "a value the fused op does not return"
+    )
+
+
+def _module_path(node: torch.fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+FAMILY = Family(
+    name="add_rms_norm",
+    variants=VARIANTS,
+    dtype_combos=DTYPE_COMBOS,
+    example_inputs=example_inputs,
+    scalars={"eps": _EPS_EXAMPLE},
+    guard=guard,
+    scalars_of=scalars_of,
+    replacement=replacement,
+    is_site=is_site,
+    explain=explain,
+    source_modules=(__name__, rms_norm_ops.__name__),
+)

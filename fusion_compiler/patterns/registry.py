@@ -1,0 +1,173 @@
+"""The declarative pattern contract.
+
+A `Family` is a set of `Variant`s (plain torch search functions, one per way real code
+writes the same math), one guard shared by all variants, and a replacement per lowering.
+The registry turns a family into Inductor `register_replacement` entries: every variant
+is traced once per dtype combination the family declares, and every match goes through
+`guard` before it is replaced. A declined match is recorded with its reason; it never
+disappears silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import _compat
+
+Reason = str | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variant:
+    """One way real code writes the family's math.
+
+    search: a functional, plain-torch function of the site's inputs (tensors first,
+        then the scalars named in `Family.scalars`); traced into the pattern.
+    params: fixed facts of the variant the replacement needs (e.g. weight_offset=1.0
+        for Gemma's x·(1+w)).
+    """
+
+    name: str
+    search: Callable[..., Any]
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Family:
+    """A fusion family: what to find, how to check it, what to put in its place.
+
+    is_site: true for exactly one node of every candidate site (the anchor); sites
+        that no variant replaced are reported as misses.
+    explain: for an anchor that did not match, the node where matching stopped and why.
+    example_inputs: (variant, dtype combination) -> inputs to trace the variant with,
+        or None when that combination does not apply to the variant.
+    guard: (match kwargs as values, variant) -> reason to decline, or None to accept.
+    scalars_of: matched nodes -> the site's scalar arguments (e.g. eps), read from the graph.
+        Torch 2.11 drops scalars from a re-traced match's kwargs; the graph always has them.
+    replacement: (variant, lowering) -> replacement function with the search's signature.
+    """
+
+    name: str
+    variants: tuple[Variant, ...]
+    dtype_combos: tuple[tuple[torch.dtype, ...], ...]
+    example_inputs: Callable[[Variant, tuple[torch.dtype, ...]], list | None]
+    scalars: Mapping[str, float]
+    guard: Callable[[Mapping[str, Any], Variant], Reason]
+    replacement: Callable[[Variant, str], Callable[..., Any]]
+    scalars_of: Callable[[list[torch.fx.Node]], dict[str, Any]]
+    is_site: Callable[[torch.fx.Node], bool]
+    explain: Callable[[torch.fx.Node], tuple[torch.fx.Node, str]]
+    source_modules: tuple[str, ...] = ()
+
+
+class MatchRecorder:
+    """Collects, per anchor node, which variant fused it or why variants declined it."""
+
+    def __init__(self, family: Family):
+        self.family = family
+        self.accepted: dict[torch.fx.Node, str] = {}
+        self.declined: dict[torch.fx.Node, list[tuple[str, str]]] = {}
+
+    def anchor_of(self, match: _compat.Match) -> torch.fx.Node | None:
+        anchors = [n for n in match.nodes if self.family.is_site(n)]
+        return anchors[0] if len(anchors) == 1 else None
+
+
+_active: list[MatchRecorder] = []
+
+
+def _match_values(family: Family, match: _compat.Match) -> dict[str, Any]:
+    """Match kwargs with nodes replaced by their fake values; scalars stay as they are."""
+    out: dict[str, Any] = family.scalars_of(match.nodes)
+    for name, value in match.kwargs.items():
+        if isinstance(value, torch.fx.Node):
+            out[name] = _compat.fake_value(value) if "val" in value.meta else value
+        else:
+            out[name] = value
+    return out
+
+
+def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool]:
+    def check(match: _compat.Match) -> bool:
+        recorder = _active[-1] if _active else None
+        values = _match_values(family, match)
+        # A node left in `values` is an input the guard cannot reason about statically
+        # (e.g. eps computed by a tensor op): the guard sees it and declines with a reason.
+        reason = family.guard(values, variant)
+        anchor = recorder.anchor_of(match) if recorder else None
+        if reason is not None:
+            if recorder is not None and anchor is not None:
+                recorder.declined.setdefault(anchor, []).append((variant.name, reason))
+            return False
+        if recorder is not None and anchor is not None:
+            recorder.accepted[anchor] = variant.name
+        return True
+
+    return check
+
+
+@functools.lru_cache(maxsize=None)
+def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
+    """Trace every variant of `family` once per process and lowering."""
+    matcher = _compat.PatternMatcherPass(pass_name=f"fusion_compiler.{family.name}")
+    for variant in family.variants:
+        replace = family.replacement(variant, lowering)
+        for combo in family.dtype_combos:
+            inputs = family.example_inputs(variant, combo)
+            if inputs is None:
+                continue
+            _compat.register_replacement(
+                variant.search,
+                replace,
+                inputs,
+                _compat.fwd_only,
+                matcher,
+                extra_check=_checked(family, variant),
+                scalar_workaround=dict(family.scalars),
+                skip_duplicates=True,
+            )
+    return matcher
+
+
+def run_family(family: Family, lowering: str, graph: torch.fx.Graph) -> MatchRecorder:
+    recorder = MatchRecorder(family)
+    matcher = matcher_for(family, lowering)
+    _active.append(recorder)
+    try:
+        matcher.apply(graph)
+    finally:
+        _active.pop()
+    return recorder
+
+
+def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """Inductor's own account of why no variant matched near `anchor`.
+
+    Tries every registered variant at the anchor and at the nodes up to four users
+    downstream of it (where a pattern's output can sit), and returns the first failure.
+    """
+    matcher = matcher_for(family, lowering)
+    frontier, seen = [anchor], {anchor}
+    for _ in range(5):
+        for node in frontier:
+            for pattern in _compat.patterns_rooted_at(matcher, node):
+                result = pattern.match(node)
+                if not _compat.is_match(result):
+                    return node, f"no variant matches at {node.name}: {result}"
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+    return None
+
+
+def source_text(family: Family) -> str:
+    parts = []
+    for module_name in family.source_modules:
+        module = __import__(module_name, fromlist=["_"])
+        parts.append(inspect.getsource(module))
+    return "\n".join(parts)

@@ -1,0 +1,19 @@
+import os
+
+import torch
+
+# CPU tier: run Triton kernels through the interpreter.  Must happen before anything imports
+# fusion_compiler.kernels (triton.jit picks interpreter vs compiler at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from a clean Dynamo cache: a recompile of a shared frame would
+    make Dynamo unspecialise float attributes (eps) and change what the patterns see."""
+    torch._dynamo.reset()
+    yield

@@ -1,0 +1,102 @@
+"""`fusion-compiler inspect` v1 on CPU: the JSON contract, a dense model outside our three,
+and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fusion_compiler.cli import main
+
+MODES = ("eager", "inductor", "fusion_compiler")
+
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    out = tmp_path_factory.mktemp("inspect") / "r.json"
+    png = out.with_suffix(".png")
+    started = time.perf_counter()
+    assert main(["inspect", "minimax-m2.5", "--json", str(out), "--plot", str(png)]) == 0
+    seconds = time.perf_counter() - started
+    return json.loads(out.read_text()), seconds, png
+
+
+def test_inspect_minimax_runs_under_three_minutes(minimax):
+    _, seconds, png = minimax
+    assert seconds < 180
+    assert png.stat().st_size > 10_000
+
+
+def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
+    result, _, _ = minimax
+    assert result["device"] == "cpu" and result["layers"] == 2
+    assert [row["layer"] for row in result["per_layer"]] == [0, 1]
+    for row in result["per_layer"]:
+        for mode in MODES:
+            kernels = row["kernels"][mode]
+            assert kernels["device"] == "cpu"
+            assert kernels["count_source"] in ("aten_ops_dispatched", "inductor_wrapper_launches")
+            assert kernels["count"] > 0
+        # MiniMax layer: input, post-attention, full-width q and k norms.
+        assert row["matches"]["add_rms_norm"] == {"found": 4, "expected": 4}
+        assert row["misses"] == []
+    assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
+    assert result["graphs"]["fusion_compiler"] == 1
+    assert result["relative_error_vs_eager"]["fusion_compiler"] < 2e-2
+
+
+def test_inspect_dense_llama_from_hf_config(tmp_path):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "rms_norm_eps": 1e-5,
+    }
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "r.json"
+    assert main(["inspect", "--hf-config", str(path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for row in result["per_layer"]:
+        assert row["matches"]["add_rms_norm"] == {"found": 2, "expected": 2}, row
+    assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect"], "exactly one of MODEL or --hf-config"),
+        (["inspect", "minimax-m2.5", "--hf-config", "x.json"], "exactly one of MODEL or --hf-config"),
+        (["inspect", "--hf-config", "/no/such/file.json"], "not found"),
+        (["inspect", "minimax-m2.5", "--layers", "0"], "--layers must be >= 1"),
+        (["inspect", "minimax-m2.5", "--batch", "0"], "--batch must be >= 1"),
+        (["inspect", "llama-7b"], "invalid choice"),
+        (["inspect", "minimax-m2.5", "--size", "huge"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(argv, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusion_compiler.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_stack_pairs_keep_every_layer_kind_runnable():
+    """Dropping Qwen3.5's only full-attention layer would leave a cache HF cannot run, so
+    that kind is counted by adding a layer instead."""
+    from fusion_compiler.inspect.run import stack_pairs
+
+    lin, full = "linear_attention", "full_attention"
+    pairs = stack_pairs([lin, lin, lin, full])
+    assert pairs[lin] == ((lin, lin, lin, full), (lin, lin, full))
+    assert pairs[full] == ((lin, lin, lin, full, full), (lin, lin, lin, full))
+    assert stack_pairs(["moe", "moe"]) == {"moe": (("moe", "moe"), ("moe",))}
