@@ -35,8 +35,7 @@ class FusionBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         self.compiles += 1
-        fusion_pass = FusionPass(self.config)
-        fusion_pass.report = self.report
+        fusion_pass = FusionPass(self.config, self.report)
         first_graph = len(self.report.graphs)
         # compile_fx runs pre-grad passes on gm in place; verify needs the untouched graph.
         reference = copy.deepcopy(gm) if self.config.verify else None

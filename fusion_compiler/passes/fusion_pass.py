@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -14,7 +13,7 @@ from ..config import FusionConfig
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from . import canonicalize as canonicalize_module
-from .report import GraphReport, MatchReport, Site, expected_modules, merge_expected, module_path
+from .report import GraphReport, MatchReport, Site, module_path, modules_in
 
 log = logging.getLogger("fusion_compiler")
 
@@ -30,16 +29,15 @@ class FusionPass(_compat.CustomGraphPass):
     sources, kernel versions and the config, so Inductor's caches stay correct.
     """
 
-    def __init__(self, config: FusionConfig | None = None, on_graph: Callable[[GraphReport], None] | None = None):
+    def __init__(self, config: FusionConfig | None = None, report: MatchReport | None = None):
         self.config = config or FusionConfig()
-        self.report = MatchReport()
-        self._on_graph = on_graph
+        self.report = report if report is not None else MatchReport()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         graph_report = GraphReport(
             graph_index=len(self.report.graphs),
-            expected=merge_expected(self.config.expected),
-            modules_in_graph=expected_modules(graph),
+            expected={family: dict(sites) for family, sites in self.config.expected.items()},
+            modules_in_graph=modules_in(graph),
         )
         canonicalize_module.canonicalize(graph)
         for family_name in self.config.enabled_families():
@@ -50,8 +48,6 @@ class FusionPass(_compat.CustomGraphPass):
         graph.lint()
         self.report.graphs.append(graph_report)
         self._log(graph_report)
-        if self._on_graph is not None:
-            self._on_graph(graph_report)
         missing = graph_report.missing_expected()
         if missing and self.config.strict:
             raise MissedSiteError(_format_missing(graph_report, missing))

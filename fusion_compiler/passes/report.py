@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Mapping
 
 import torch
 
@@ -129,7 +128,7 @@ class MatchReport:
         return "\n".join(lines)
 
 
-def expected_modules(graph: torch.fx.Graph) -> set[str]:
+def modules_in(graph: torch.fx.Graph) -> set[str]:
     """Every module path (and its parents) that some node of the graph came from."""
     seen: set[str] = set()
     for node in graph.nodes:
@@ -137,6 +136,3 @@ def expected_modules(graph: torch.fx.Graph) -> set[str]:
             seen.add(normalize_module_path(raw))
     return seen
 
-
-def merge_expected(expected: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
-    return {family: dict(per_module) for family, per_module in expected.items()}

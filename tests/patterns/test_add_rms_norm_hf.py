@@ -17,8 +17,17 @@ from fusion_compiler.verify import relative_error
 FAMILY = "add_rms_norm"
 
 
+def _skip_if_torch_cannot_compile(name: str) -> None:
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if name == "qwen3.5" and version < (2, 13):
+        # Stock Inductor alone aborts the same way ("corrupted double-linked list"):
+        # a torch 2.11 CPU bug, not ours. bench/NOTES.md.
+        pytest.skip("torch < 2.13 CPU Inductor crashes compiling tiny Qwen3.5")
+
+
 class Compiled:
     def __init__(self, name: str):
+        _skip_if_torch_cannot_compile(name)
         adapter = get_adapter(name)
         self.model = adapter.build_hf(size="tiny", layers=adapter.default_layers, dtype=torch.bfloat16)
         self.kinds = adapter.layer_kinds(self.model.config)
