@@ -3,8 +3,9 @@ count is never mistaken for a hardware one.
 
 - CUDA: kernel events from the torch profiler (memcpy/memset excluded).
 - CPU, eager: aten ops dispatched at the top level (views and allocations excluded).
-- CPU, compiled: kernels Inductor generated for the graph, plus the ops its wrapper
-  dispatches at run time (extern GEMMs, our fused ops, fallbacks).
+- CPU, compiled: launches in the wrapper code Inductor generated (its C++ kernels, extern
+  GEMMs, our fused ops, fallbacks). A TorchDispatchMode cannot count these: Dynamo runs
+  the model eagerly while such a mode is active.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _compat
 
-_ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "as_strided", "lift_fresh", "detach", "alias", "_reinterpret_tensor"}
+_ALLOCATIONS = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+    "as_strided", "lift_fresh", "detach", "alias", "_reinterpret_tensor",
+}
 
 
 @dataclasses.dataclass
@@ -62,16 +66,11 @@ def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def count_dispatched(run: Callable[[], object]) -> Counter:
+def count_cpu_eager(run: Callable[[], object]) -> KernelCount:
     counter = _DispatchCounter()
     with counter:
         run()
-    return counter.names
-
-
-def count_cpu_eager(run: Callable[[], object]) -> KernelCount:
-    names = count_dispatched(run)
-    return KernelCount(sum(names.values()), "cpu", "aten_ops_dispatched", dict(names))
+    return KernelCount(sum(counter.names.values()), "cpu", "aten_ops_dispatched", dict(counter.names))
 
 
 # A launch in Inductor's wrapper code: a generated C++/Triton kernel, an extern kernel
