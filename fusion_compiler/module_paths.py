@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -29,3 +31,11 @@ def layer_of(path: str | None) -> int | None:
         return None
     found = _LAYER.findall(path)
     return int(found[-1]) if found else None
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module an FX node came from (its `nn_module_stack`), normalised."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    return normalize_module_path(next(reversed(stack.values()))[0])

@@ -13,7 +13,8 @@ from ..config import FusionConfig
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from . import canonicalize as canonicalize_module
-from .report import GraphReport, MatchReport, Site, module_path, modules_in
+from ..module_paths import module_path
+from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")
 

@@ -9,14 +9,6 @@ import torch
 
 from ..module_paths import layer_of, normalize_module_path
 
-def module_path(node: torch.fx.Node) -> str | None:
-    """The innermost module a node came from, as `named_modules()` spells it."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    return normalize_module_path(next(reversed(stack.values()))[0])
-
-
 @dataclasses.dataclass
 class Site:
     family: str

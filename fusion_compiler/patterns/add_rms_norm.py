@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..module_paths import module_path
 from ..ops import rms_norm as rms_norm_ops
 from .registry import Family, Reason, Variant
 
@@ -187,9 +188,9 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
         if outside:
             return _escapes(node, outside)
     # Past the normalisation, the norm's own module tells its last node from its intermediates.
-    module = _module_path(anchor)
+    module = module_path(anchor)
     if module:
-        inside = [n for n in anchor.graph.nodes if _module_path(n) == module]
+        inside = [n for n in anchor.graph.nodes if module_path(n) == module]
         members = set(inside)
         leaving = [n for n in inside if any(u not in members for u in n.users)]
         for node in leaving[:-1]:
@@ -202,11 +203,6 @@ def _escapes(node: torch.fx.Node, outside: list[torch.fx.Node]) -> tuple[torch.f
         f"{node.name} is also used by {', '.join(u.name for u in outside)}, "
         "a value the fused op does not return"
     )
-
-
-def _module_path(node: torch.fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else None
 
 
 FAMILY = Family(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fusion_compiler as fc
+from fusion_compiler._compat import TORCH_VERSION
 from fusion_compiler.model_adapters import get_adapter, make_decode_step, rms_norm_sites
 from fusion_compiler.module_paths import layer_of
 from fusion_compiler.verify import relative_error
@@ -18,8 +19,7 @@ FAMILY = "add_rms_norm"
 
 
 def _skip_if_torch_cannot_compile(name: str) -> None:
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if name == "qwen3.5" and version < (2, 13):
+    if name == "qwen3.5" and TORCH_VERSION < (2, 13):
         # Stock Inductor alone aborts the same way ("corrupted double-linked list"):
         # a torch 2.11 CPU bug, not ours. bench/NOTES.md.
         pytest.skip("torch < 2.13 CPU Inductor crashes compiling tiny Qwen3.5")
