@@ -16,6 +16,7 @@ if TORCH_VERSION < (2, 11):
     raise ImportError(f"fusion_compiler needs torch >= 2.11, found {torch.__version__}")
 
 from torch._inductor import config as inductor_config  # noqa: E402
+from torch._higher_order_ops.auto_functionalize import auto_functionalized  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
 from torch._inductor.pattern_matcher import (  # noqa: E402
@@ -27,7 +28,12 @@ from torch._inductor.pattern_matcher import (  # noqa: E402
     register_replacement,
 )
 
+from torch._inductor.fx_passes.post_grad import view_to_reshape as _view_to_reshape  # noqa: E402
+
 __all__ = [
+    "trace_like_post_grad",
+    "run_with_fake_mode",
+    "auto_functionalized",
     "CustomGraphPass",
     "FailedMatch",
     "Match",
@@ -85,3 +91,20 @@ def run_and_get_code(fn):
     from torch._inductor.utils import run_and_get_code as _run_and_get_code
 
     return _run_and_get_code(fn)
+
+
+def trace_like_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """`fwd_only`, then the post-grad rewrite that turns every `view` into `reshape`: a
+    pattern with a view in it must look like the post-grad graphs it is matched against."""
+    gm = fwd_only(fn, args, **kwargs)
+    _view_to_reshape(gm)
+    gm.recompile()
+    return gm
+
+
+def run_with_fake_mode(target, args, kwargs):
+    """Fake outputs for a node a pass builds (inside Inductor's post-grad passes)."""
+    from torch._inductor.virtualized import V
+
+    with V.fake_mode:
+        return target(*args, **kwargs)

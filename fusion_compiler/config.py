@@ -11,7 +11,7 @@ from types import MappingProxyType
 # Families in the order the pass runs them. Later families (DeepSeek attention,
 # MoE routing, GQA prologues, GDN) go *before* "add_rms_norm": they take their
 # norms into bigger fusions, and the norm family gets what is left.
-FAMILY_ORDER: tuple[str, ...] = ("add_rms_norm",)
+FAMILY_ORDER: tuple[str, ...] = ("mla_prologue", "add_rms_norm")
 
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor
@@ -36,6 +36,8 @@ class FusionConfig:
         from the model's module tree. Gives the report its expected-vs-found columns.
     inductor_cache: let Inductor's FX-graph cache serve compiled graphs. Off by default:
         a cache hit skips our pass, so that compile would have no match report.
+    horizontal_merge: fold a layer's independent prologue sites (passes/horizontal.py) into
+        one launch each side of the q_b GEMM (DeepSeek V3.2: 2 kernels instead of 5).
     """
 
     families: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -45,6 +47,7 @@ class FusionConfig:
     verify_rtol: float = 2e-2
     expected: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     inductor_cache: bool = False
+    horizontal_merge: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.families) - set(FAMILY_ORDER))
@@ -74,4 +77,5 @@ class FusionConfig:
     def cache_key(self) -> str:
         """What of the config changes the compiled graph (expectations and verify do not)."""
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
+        key["horizontal_merge"] = self.horizontal_merge
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -11,8 +11,9 @@ Semantics (the reference is ``fusion_compiler.ops.rms_norm``; this file must mat
 over the last dim; leading dims are collapsed into rows.
 
 bf16 conversions: under Triton's interpreter (``TRITON_INTERPRET=1``, triton 3.6), every
-bf16 -> fp32 load goes through a bit shift (``_upcast``) and every fp32 -> bf16 store through an
-integer round-to-nearest-even (``_fp32_to_bf16_rtne``), because the interpreter truncates
+bf16 -> fp32 load goes through a bit shift (``_device.upcast``) and every fp32 -> bf16 store
+through an integer round-to-nearest-even (``_device.fp32_to_bf16_rtne``; helpers shared with
+the other kernels in ``_device.py``), because the interpreter truncates
 fp32 -> bf16, mangles bf16 subnormals and adds bf16 values as raw uint16; that is what lets
 the CPU tests check the residual sum bit-exactly against eager ``x + residual``.  On the GPU
 the native casts give the same bits, and the bit operations cost ~30% at decode shapes
@@ -28,11 +29,13 @@ to run the kernel on CPU tensors.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._device import downcast as _downcast
+from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch table changes: the compiler hashes it into the
 # Inductor cache key.
@@ -88,40 +91,6 @@ def launch_config(n: int) -> tuple[int, int, int, bool]:
     block_n = max(block_n, 64)  # smaller rows use the 64 entry (masked)
     rows, warps = _LAUNCH_TABLE[block_n]
     return block_n, rows, warps, False
-
-
-@triton.jit
-def _fp32_to_bf16_rtne(v):
-    # Round-to-nearest-even fp32 -> bf16 on the bit pattern (see module docstring).
-    bits = v.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = (bits + 0x7FFF + lsb) >> 16
-    # NaN: keep sign and payload top bits, force the quiet bit (the add could carry a NaN
-    # into the sign bit or turn it into inf).
-    rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-# The interpreter needs the bit-level conversions below; the GPU's native casts give the
-# same bits with fewer instructions on the decode critical path.
-INTERPRETER_BIT_CASTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def _upcast(v):
-    # Under the interpreter, bf16 -> fp32 shifts the bits (its cast mangles bf16 subnormals).
-    if v.dtype == tl.bfloat16 and INTERPRETER_BIT_CASTS:
-        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return v.to(tl.float32)
-
-
-@triton.jit
-def _downcast(v, DTYPE: tl.constexpr):
-    if DTYPE == tl.bfloat16 and INTERPRETER_BIT_CASTS:
-        return _fp32_to_bf16_rtne(v)
-    else:
-        return v.to(DTYPE)
 
 
 @triton.jit

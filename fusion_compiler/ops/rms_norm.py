@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from ._checks import require_size_eq
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "add_rms_norm",
@@ -45,15 +47,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------
 # Validation (shared by reference, fake and CUDA impls)
 # --------------------------------------------------------------------------------------------
-
-
-def _require_size_eq(actual, expected, what: str) -> None:
-    """ValueError on concrete sizes; a symbolic check (no specialisation) under tracing."""
-    if isinstance(actual, int) and isinstance(expected, int):
-        if actual != expected:
-            raise ValueError(f"{what}: got {actual}, expected {expected}")
-    else:
-        torch._check(actual == expected, lambda: f"{what}: got {actual}, expected {expected}")
 
 
 def _validate(
@@ -74,7 +67,7 @@ def _validate(
         raise ValueError(f"out_dtype {out_dtype} not supported; expected one of {SUPPORTED_DTYPES}")
     if weight.dim() != 1:
         raise ValueError(f"weight must be 1-D [N], got shape {tuple(weight.shape)}")
-    _require_size_eq(weight.shape[0], x.shape[-1], "weight size must equal x.shape[-1]")
+    require_size_eq(weight.shape[0], x.shape[-1], "weight size must equal x.shape[-1]")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if residual is not None:
@@ -85,7 +78,7 @@ def _validate(
                 f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}"
             )
         for d, (rs, xs) in enumerate(zip(residual.shape, x.shape)):
-            _require_size_eq(rs, xs, f"residual shape must equal x shape (dim {d})")
+            require_size_eq(rs, xs, f"residual shape must equal x shape (dim {d})")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device}, x on {x.device}")
     if isinstance(eps, (int, float)):

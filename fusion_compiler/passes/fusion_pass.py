@@ -14,6 +14,7 @@ from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from . import canonicalize as canonicalize_module
 from ..module_paths import module_path
+from .horizontal import merge_prologues
 from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")
@@ -44,8 +45,11 @@ class FusionPass(_compat.CustomGraphPass):
         for family_name in self.config.enabled_families():
             family = FAMILIES[family_name]
             graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph))
-        graph.eliminate_dead_code()
+        if self.config.horizontal_merge and self.config.lowering("mla_prologue") == "triton":
+            graph_report.merged.extend(merge_prologues(graph))
+        # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
+        graph.eliminate_dead_code()
         graph.lint()
         self.report.graphs.append(graph_report)
         self._log(graph_report)
@@ -81,6 +85,8 @@ class FusionPass(_compat.CustomGraphPass):
     def _log(self, graph_report: GraphReport) -> None:
         one = MatchReport([graph_report])
         log.info("fusion_compiler graph %d: %s", graph_report.graph_index, one.summary())
+        for layer, kind, members in graph_report.merged:
+            log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():

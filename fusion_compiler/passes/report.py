@@ -30,6 +30,8 @@ class GraphReport:
     sites: list[Site] = dataclasses.field(default_factory=list)
     expected: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     modules_in_graph: set[str] = dataclasses.field(default_factory=set)
+    # (layer, op kind, sites folded) for every launch the horizontal merge built.
+    merged: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
 
     def matched(self, family: str | None = None) -> list[Site]:
         return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
@@ -101,9 +103,14 @@ class MatchReport:
             parts.append(f"{len(missing)} expected modules not fused")
         return "; ".join(parts) or "no candidate sites"
 
+    def merges(self) -> list[tuple[str, str, int]]:
+        """(layer, op kind, sites folded) of every launch the horizontal merge built."""
+        return [m for g in self.graphs for m in g.merged]
+
     def to_dict(self) -> dict:
         return {
             "graphs": len(self.graphs),
+            "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
             "matches": self.per_variant(),
             "sites": [dataclasses.asdict(s) | {"layer": s.layer} for s in self.sites],
             "missing_expected": [
@@ -113,6 +120,8 @@ class MatchReport:
 
     def format(self) -> str:
         lines = [self.summary()]
+        for layer, kind, count in self.merges():
+            lines.append(f"  merged {count} {kind}-prologue sites of {layer} into one launch")
         for s in self.misses():
             lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
         for family, module, expected, found in self.missing_expected():

@@ -21,9 +21,14 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..module_paths import module_path
+from ..ops import mla_kv_prologue as kv_ops
 from ..ops import rms_norm as rms_norm_ops
 from .registry import Family, Reason, Variant
+from .spellings import FP8, act_quant
+
+_KV_DEFAULTS = dict(zip(kv_ops._ARG_NAMES, kv_ops.mla_kv_prologue_reference.__defaults__))
 
 aten = torch.ops.aten
 
@@ -47,6 +52,11 @@ def torch_functional(x, weight, eps):
     return (_normalize(x.to(torch.float32), eps) * weight).to(x.dtype)
 
 
+def deepseek(x, weight, eps):
+    """DeepSeek's inference ``RMSNorm``: fp32 weight times the fp32 normalised x, one rounding."""
+    return (weight * _normalize(x.to(torch.float32), eps)).to(x.dtype)
+
+
 def gemma(x, weight, eps):
     return (_normalize(x.to(torch.float32), eps) * (1.0 + weight.float())).to(x.dtype)
 
@@ -66,16 +76,37 @@ _NORMS = {
     "hf": (hf, 0.0),
     "hf_weight_last": (hf_weight_last, 0.0),
     "torch": (torch_functional, 0.0),
+    "deepseek": (deepseek, 0.0),
 }
 
-# The residual variants come first: where both could match, the add belongs to the site.
+
+def _with_fp8_quant(norm, ue8m0: bool):
+    """The norm feeding an FP8 GEMM: DeepSeek's act_quant (group 128) of its output."""
+
+    def search(x, weight, eps):
+        return act_quant(norm(x, weight, eps), FP8_GROUP, ue8m0)
+
+    search.__name__ = f"{norm.__name__}_fp8{'_ue8m0' if ue8m0 else ''}"
+    return search
+
+
+FP8_GROUP = 128
+
+# Most specific first: a norm followed by an FP8 quant is one site, and where both could
+# match, the residual add belongs to the site.
 VARIANTS = tuple(
-    Variant(f"add_rms_norm.{name}", _with_residual(fn), {"weight_offset": offset, "residual": True})
+    Variant(f"rms_norm_fp8{'_ue8m0' if ue8m0 else ''}.{name}", _with_fp8_quant(fn, ue8m0),
+            {"weight_offset": offset, "residual": False, "fp8": True, "ue8m0": ue8m0})
+    for ue8m0 in (True, False)
+    for name, (fn, offset) in _NORMS.items()
+    if name in ("deepseek", "torch")
+) + tuple(
+    Variant(f"add_rms_norm.{name}", _with_residual(fn), {"weight_offset": offset, "residual": True, "fp8": False})
     for name, (fn, offset) in _NORMS.items()
 ) + tuple(
-    Variant(f"rms_norm.{name}", fn, {"weight_offset": offset, "residual": False})
+    Variant(f"rms_norm.{name}", fn, {"weight_offset": offset, "residual": False, "fp8": False})
     for name, (fn, offset) in _NORMS.items()
-)
+)  # fmt: skip
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DTYPE_COMBOS = tuple((act, w) for act in _ACT_DTYPES for w in (act, torch.float32))
@@ -113,6 +144,11 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return f"activation dtype {x.dtype} is not one of bf16/fp16/fp32"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight shape {tuple(weight.shape)} is not [{x.shape[-1]}] (the normalised dim)"
+    if variant.params["fp8"]:
+        if FP8 not in values["casts"]:
+            return f"the quant casts to {sorted(map(str, values['casts']))}, not float8_e4m3fn"
+        if values["quant_groups"] != {FP8_GROUP} or x.shape[-1] % FP8_GROUP:
+            return f"quant groups {sorted(values['quant_groups'])} over width {x.shape[-1]}; the fused quant does {FP8_GROUP}"
     if variant.params["residual"]:
         residual = values["residual"]
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -132,6 +168,9 @@ def replacement(variant: Variant, lowering: str):
     else:
         raise ValueError(f"no replacement for lowering {lowering!r}")
 
+    if variant.params["fp8"]:
+        return _fp8_replacement(variant, lowering)
+
     if variant.params["residual"]:
 
         def replace_add_norm(x, residual, weight, eps):
@@ -146,13 +185,38 @@ def replacement(variant: Variant, lowering: str):
     return replace_norm
 
 
-def scalars_of(nodes: list[torch.fx.Node]) -> dict[str, Any]:
-    """eps: the addend beside the mean under the site's rsqrt (a number, or a node)."""
+def _fp8_replacement(variant: Variant, lowering: str):
+    if lowering == "inductor":
+        return variant.search
+    ue8m0 = variant.params["ue8m0"]
+
+    def replace_norm_fp8(x, weight, eps):
+        # The q role of mla_kv_prologue is exactly RMSNorm + FP8 group quant; using it lets the
+        # horizontal merge fold this norm into its layer's prologue launch.
+        width = x.shape[-1]
+        out = _compat.auto_functionalized(
+            torch.ops.fusion_compiler.mla_kv_prologue.default,
+            **{**_KV_DEFAULTS, "q_c": x.reshape(-1, width), "q_weight": weight, "q_eps": eps,
+               "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0},
+        )  # fmt: skip
+        return out[0].view(x.shape), out[1].view(*x.shape[:-1], width // FP8_GROUP)
+
+    return replace_norm_fp8
+
+
+def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """eps: the addend beside the mean under the site's rsqrt (a number, or a node); for the
+    FP8 variants, the dtypes cast to and the quant group widths (wildcards in the pattern)."""
+    facts: dict[str, Any] = {"casts": set(), "quant_groups": set()}
     for node in nodes:
         if is_site(node) and node.args[0].target is aten.add.Tensor:
             add = node.args[0]
-            return {"eps": next(a for a in add.args if not (isinstance(a, torch.fx.Node) and a.target is aten.mean.dim))}
-    return {}
+            facts["eps"] = next(a for a in add.args if not (isinstance(a, torch.fx.Node) and a.target is aten.mean.dim))
+        elif node.target is torch.ops.prims.convert_element_type.default:
+            facts["casts"].add(node.args[1])
+        elif node.target is aten.amax.default:
+            facts["quant_groups"].add(node.args[0].meta["val"].shape[-1])
+    return facts
 
 
 def is_site(node: torch.fx.Node) -> bool:
@@ -212,9 +276,9 @@ FAMILY = Family(
     example_inputs=example_inputs,
     scalars={"eps": _EPS_EXAMPLE},
     guard=guard,
-    scalars_of=scalars_of,
+    facts_of=facts_of,
     replacement=replacement,
     is_site=is_site,
     explain=explain,
-    source_modules=(__name__, rms_norm_ops.__name__),
+    source_modules=(__name__, rms_norm_ops.__name__, kv_ops.__name__),
 )

@@ -48,8 +48,11 @@ class Family:
     example_inputs: (variant, dtype combination) -> inputs to trace the variant with,
         or None when that combination does not apply to the variant.
     guard: (match kwargs as values, variant) -> reason to decline, or None to accept.
-    scalars_of: matched nodes -> the site's scalar arguments (e.g. eps), read from the graph.
-        Torch 2.11 drops scalars from a re-traced match's kwargs; the graph always has them.
+    facts_of: (matched nodes, match inputs by name) -> facts the guard and replacement need that the pattern itself
+        cannot pin down: scalar arguments (eps; torch 2.11 drops scalars from a re-traced
+        match's kwargs), and the ints, lists and dtypes Inductor's pattern tracer turns into
+        wildcards (slice steps that tell interleaved RoPE from NeoX, split sizes, the dtype
+        a quant casts to). Read from the matched graph nodes.
     replacement: (variant, lowering) -> replacement function with the search's signature.
     """
 
@@ -60,7 +63,7 @@ class Family:
     scalars: Mapping[str, float]
     guard: Callable[[Mapping[str, Any], Variant], Reason]
     replacement: Callable[[Variant, str], Callable[..., Any]]
-    scalars_of: Callable[[list[torch.fx.Node]], dict[str, Any]]
+    facts_of: Callable[[list[torch.fx.Node], Mapping[str, Any]], dict[str, Any]]
     is_site: Callable[[torch.fx.Node], bool]
     explain: Callable[[torch.fx.Node], tuple[torch.fx.Node, str]]
     source_modules: tuple[str, ...] = ()
@@ -84,7 +87,7 @@ _active: list[MatchRecorder] = []
 
 def _match_values(family: Family, match: _compat.Match) -> dict[str, Any]:
     """Match kwargs with nodes replaced by their fake values; scalars stay as they are."""
-    out: dict[str, Any] = family.scalars_of(match.nodes)
+    out: dict[str, Any] = family.facts_of(match.nodes, match.kwargs)
     for name, value in match.kwargs.items():
         if isinstance(value, torch.fx.Node):
             out[name] = _compat.fake_value(value) if "val" in value.meta else value
@@ -126,7 +129,7 @@ def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
                 variant.search,
                 replace,
                 inputs,
-                _compat.fwd_only,
+                _compat.trace_like_post_grad,
                 matcher,
                 extra_check=_checked(family, variant),
                 scalar_workaround=dict(family.scalars),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ModelAdapter
+from ..base import ModelAdapter
 
 # Real widths: hub config.json / config_671B_v3.2.json (docs/MODELS.md section 1).
 # `first_k_dense_replace` is 3 in the checkpoint (layers 0-2 use a dense 18432 MLP); we override it

@@ -1,0 +1,29 @@
+"""Model-code spellings several families share: plain torch, written as real code writes them."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+FP8 = torch.float8_e4m3fn
+
+
+def act_quant(x, group, ue8m0):
+    """DeepSeek inference ``act_quant`` (the contract: ops/fp8_quant.py)."""
+    groups = x.float().unflatten(-1, (-1, group))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    scale = amax / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    y = (groups / scale).clamp(-448.0, 448.0).to(FP8)
+    return y.flatten(-2), scale.squeeze(-1)
+
+
+def write_rows(cache, slots, rows):
+    """``cache.view(-1, row).index_put_((slots,), rows)`` as it reaches a post-grad graph."""
+    flat = cache.reshape(-1, cache.shape[-1])
+    return aten.index_put.default(flat, [slots], rows).reshape(cache.shape)
+
+
+def as_bytes(t):
+    return t.view(torch.uint8)

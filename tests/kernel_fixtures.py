@@ -1,0 +1,30 @@
+"""Helpers the kernel tests share: poisoned outputs with guard slabs."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def poisoned(shape, dtype):
+    """Output poisoned with NaN (0xFF for FP8) and one guard slab on each side of dim 0."""
+    if shape == (0,):
+        return None, torch.empty(0, dtype=dtype, device=DEVICE)
+    buf = torch.empty((shape[0] + 2,) + tuple(shape[1:]), dtype=dtype, device=DEVICE)
+    if dtype == FP8:
+        buf.view(torch.uint8).fill_(0xFF)
+    else:
+        buf.fill_(float("nan"))
+    return buf, buf[1:-1]
+
+
+def assert_guards_untouched(buf):
+    if buf is None:
+        return
+    for guard in (buf[0], buf[-1]):
+        if buf.dtype == FP8:
+            assert bool((guard.view(torch.uint8) == 0xFF).all()), "wrote outside the output"
+        else:
+            assert bool(torch.isnan(guard).all()), "wrote outside the output"
