@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from kernel_fixtures import assert_guards_untouched, poisoned
+from kernel_fixtures import _few, assert_fp8_close, assert_guards_untouched, poisoned
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -42,11 +42,6 @@ INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat
 # ---------------------------------------------------------------------------------------------
 
 
-def _few(n: int) -> int:
-    """Elements allowed to differ (see the module docstring): at most 1%, at least 2."""
-    return max(2, n // 100)
-
-
 def assert_float_close(out, ref, what):
     assert out.shape == ref.shape and out.dtype == ref.dtype, (what, out.shape, ref.shape)
     if out.dtype == torch.float32:
@@ -62,18 +57,6 @@ def assert_float_close(out, ref, what):
     assert n_diff <= _few(out.numel()), f"{what}: {n_diff} of {out.numel()} elements differ"
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2, equal_nan=True,
                                msg=lambda m: f"{what}: {m}")
-
-
-def assert_fp8_close(out, ref, what):
-    """FP8 codes equal, except a few one code apart (a rounding tie flipped upstream)."""
-    assert out.shape == ref.shape, (what, out.shape, ref.shape)
-    a, b = out.contiguous().view(torch.uint8).long(), ref.contiguous().view(torch.uint8).long()
-    diff = a != b
-    n_diff = int(diff.sum())
-    assert n_diff <= _few(a.numel()), f"{what}: {n_diff} of {a.numel()} FP8 codes differ"
-    # Same sign bit and adjacent magnitudes (e4m3fn codes are monotonic in magnitude).
-    near = ((a ^ b) & 0x80 == 0) & ((a & 0x7F) - (b & 0x7F)).abs().le(1)
-    assert bool(near[diff].all()), f"{what}: FP8 codes differ by more than one step"
 
 
 def assert_scales_close(out, ref, what):

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from kernel_fixtures import assert_guards_untouched, poisoned
+from kernel_fixtures import assert_fp8_close, assert_guards_untouched, poisoned
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -104,6 +104,10 @@ def run_and_compare(args):
         elif name == "index_weights_out":
             assert out.dtype == r.dtype == torch.float32
             torch.testing.assert_close(out, r, rtol=2**-21, atol=0, equal_nan=True)
+        elif out.dtype == FP8 and out.is_cuda:
+            # On the GPU, Triton's fp32 -> e4m3 conversion can round twice (via fp16) where
+            # torch rounds once: a code one step apart, only at ties (bench/NOTES.md).
+            assert_fp8_close(out, r, name)
         else:
             assert_bits_equal(out, r, name)
     for k, v in before.items():
