@@ -29,6 +29,7 @@ import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.model_adapters.deepseek_v32 import reference as ref  # noqa: E402
+from fusion_compiler.inspect.counting import count_cuda_kernels  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 4096)
@@ -79,28 +80,27 @@ class Region(torch.nn.Module):
         return qr_fp8, qr_scale, q_full, iq_fp8, weights
 
 
-class RegionSplitCaches(Region):
-    """The same work with the FP8 values, scales and k_pe in separate typed caches (no byte
-    views): what stock Inductor compiles if it cannot lower the byte-packed rows."""
+class RegionTypedCaches(Region):
+    """The same work writing FP8 values, scales and k_pe into separate typed caches, as
+    DeepSeek's own reference keeps kv_cache and pe_cache apart: no byte views, which stock
+    Inductor on torch 2.11 cannot lower here ("stride(-1) must be 1 to view Float as Byte")."""
 
-    def forward(self, qkv, k_lin, q, q_absorbed, iq, w_lin, positions, slots, latent_cache, index_cache):
+    def forward(self, qkv, k_lin, q, q_absorbed, iq, w_lin, positions, slots,
+                latent_fp8, latent_scale, latent_pe, index_fp8, index_scale):  # fmt: skip
         cfg = self.cfg
         rot, heads, dim, rank = cfg.qk_rope_head_dim, cfg.index_n_heads, cfg.index_head_dim, cfg.kv_lora_rank
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         q_c, kv_c, k_pe = torch.split(qkv, [cfg.q_lora_rank, rank, rot], dim=-1)
         qr_fp8, qr_scale = ref.act_quant(ref.rms_norm(q_c, self.q_norm, cfg.rms_norm_eps), 128, True)
         kv_fp8, kv_scale = ref.act_quant(ref.rms_norm(kv_c, self.kv_norm, cfg.rms_norm_eps), 128, True)
-        flat = latent_cache.view(-1, latent_cache.shape[-1])
-        flat[:, :rank].view(torch.float8_e4m3fn).index_put_((slots,), kv_fp8)
-        scale_end = rank + 4 * (rank // 128)
-        flat[:, rank:scale_end].view(torch.float32).index_put_((slots,), kv_scale)
-        flat[:, scale_end:].view(torch.bfloat16).index_put_((slots,), ref.rope_gptj(k_pe, cos, sin))
+        latent_fp8.index_put_((slots,), kv_fp8)
+        latent_scale.index_put_((slots,), kv_scale)
+        latent_pe.index_put_((slots,), ref.rope_gptj(k_pe, cos, sin))
         k = self.k_norm(k_lin)
         k_rot, k_pass = torch.split(k, [rot, dim - rot], dim=-1)
         k_fp8, k_scale = ref.act_quant(torch.cat([ref.rope_neox(k_rot, cos, sin), k_pass], dim=-1), dim, True)
-        index = index_cache.view(-1, index_cache.shape[-1])
-        index[:, :dim].view(torch.float8_e4m3fn).index_put_((slots,), k_fp8)
-        index[:, dim:].view(torch.float32).index_put_((slots,), k_scale)
+        index_fp8.index_put_((slots,), k_fp8)
+        index_scale.index_put_((slots,), k_scale)
         q_nope, q_pe = torch.split(q, [cfg.qk_nope_head_dim, rot], dim=-1)
         q_full = torch.cat([q_absorbed, ref.rope_gptj(q_pe, cos.unsqueeze(1), sin.unsqueeze(1))], dim=-1)
         iq_rot, iq_pass = torch.split(iq, [rot, dim - rot], dim=-1)
@@ -108,6 +108,10 @@ class RegionSplitCaches(Region):
         iq_fp8, iq_scale = ref.act_quant(iq, dim, True)
         weights = w_lin.float() * heads**-0.5 * iq_scale.squeeze(-1) * dim**-0.5
         return qr_fp8, qr_scale, q_full, iq_fp8, weights
+
+
+PACKED_KEYS = ("qkv", "k_lin", "q", "q_absorbed", "iq", "w_lin", "positions", "slots", "latent_cache", "index_cache")
+TYPED_KEYS = PACKED_KEYS[:-2] + ("latent_fp8", "latent_scale", "latent_pe", "index_fp8", "index_scale")
 
 
 def region_bytes(cfg: ref.ReferenceConfig, tokens: int) -> int:
@@ -143,11 +147,20 @@ def make_inputs(cfg: ref.ReferenceConfig, tokens: int, gen: torch.Generator):
         "slots": slots,
         "latent_cache": torch.randint(0, 255, (blocks, cfg.block_size, row), generator=gen, device="cuda", dtype=torch.uint8),
         "index_cache": torch.randint(0, 255, (blocks, cfg.block_size, cfg.index_head_dim + 4), generator=gen, device="cuda", dtype=torch.uint8),
+        "latent_fp8": torch.zeros(blocks * cfg.block_size, cfg.kv_lora_rank, device="cuda", dtype=torch.float8_e4m3fn),
+        "latent_scale": torch.zeros(blocks * cfg.block_size, cfg.kv_lora_rank // 128, device="cuda"),
+        "latent_pe": torch.zeros(blocks * cfg.block_size, rot, device="cuda", dtype=torch.bfloat16),
+        "index_fp8": torch.zeros(blocks * cfg.block_size, cfg.index_head_dim, device="cuda", dtype=torch.float8_e4m3fn),
+        "index_scale": torch.zeros(blocks * cfg.block_size, 1, device="cuda"),
     }
 
 
-def clone_inputs(inputs: dict) -> dict:
-    return {k: v.clone() for k, v in inputs.items()}
+def clone_inputs(inputs: dict, keys=PACKED_KEYS) -> dict:
+    return {k: inputs[k].clone() for k in keys}
+
+
+def pick(inputs: dict, keys) -> dict:
+    return {k: inputs[k] for k in keys}
 
 
 def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
@@ -191,31 +204,36 @@ def main() -> None:
         variants["inductor"] = torch.compile(region)
         backend = fc.FusionBackend(fc.FusionConfig(strict=True))
         variants["ours"] = torch.compile(region, backend=backend)
-        split = RegionSplitCaches(cfg).cuda()
-        split.load_state_dict(region.state_dict())
-        variants["inductor_split_caches"] = torch.compile(split)
+        typed = RegionTypedCaches(cfg).cuda()
+        typed.load_state_dict(region.state_dict())
+        variants["inductor_typed_caches"] = torch.compile(typed)
+        variants["eager_typed_caches"] = typed
+        keys = {name: TYPED_KEYS if "typed" in name else PACKED_KEYS for name in variants}
         outputs, row = {}, {"tokens": tokens, "bytes": size, "rotations": rotations}
         with torch.no_grad():
             for name, fn in list(variants.items()):
-                inputs = clone_inputs(sets[0])
+                inputs = clone_inputs(sets[0], keys[name])
                 try:
                     outputs[name] = (fn(**inputs), inputs)
                 except Exception as error:  # noqa: BLE001 - a variant that cannot compile is a result
                     row[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                     print(f"T={tokens}: {name} failed: {row[f'{name}_error']}", flush=True)
                     del variants[name]
-        for name in ("ours", "inductor", "inductor_split_caches"):
+        for name in ("ours", "inductor"):
             if name in outputs:
                 row[f"{name}_vs_eager"] = compare(*outputs[name], *outputs["eager"])
         row["report"] = backend.report.to_dict()
         with torch.no_grad():
             for name, fn in variants.items():
-                row[f"{name}_kernels"] = common.kernels_in(lambda fn=fn: fn(**sets[0]))
-                us = common.graph_time_us(lambda i, fn=fn: fn(**sets[i]), rotations)
+                count = count_cuda_kernels(lambda fn=fn, k=keys[name]: fn(**pick(sets[0], k)))
+                row[f"{name}_kernels"] = count.count
+                if name != "eager" and name != "eager_typed_caches":
+                    row[f"{name}_kernel_names"] = count.names
+                us = common.graph_time_us(lambda i, fn=fn, k=keys[name]: fn(**pick(sets[i], k)), rotations)
                 row[f"{name}_us"] = us
                 row[f"{name}_gbs"] = size / us / 1e3
                 row[f"{name}_pct_bw"] = 100 * size / us / 1e3 / bandwidth
-        for base in ("inductor", "inductor_split_caches"):
+        for base in ("inductor", "inductor_typed_caches"):
             if f"{base}_us" in row and "ours_us" in row:
                 row[f"speedup_vs_{base}"] = row[f"{base}_us"] / row["ours_us"]
         summary = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k.endswith(("_kernels", "_us", "_pct_bw")) or k.startswith("speedup")}

@@ -6,7 +6,8 @@ of the same op kind in the same layer that do not depend on each other are folde
 call with all their roles, so DeepSeek V3.2 runs one launch before the q_b GEMM and one after.
 A plain ``rms_norm`` op (HF's q_a_layernorm) joins as the q role.
 
-Members merge only when: same layer (from ``nn_module_stack``), no data path between them,
+Members merge only when: same layer (from ``nn_module_stack``; a graph without layer paths,
+such as one attention module compiled alone, is one group), no data path between them,
 distinct roles, the same RoPE angles (same tensor under views and a first-half slice), and
 the same slots and cache quant format wherever both write a cache.
 """
@@ -189,11 +190,6 @@ def merge_prologues(graph: torch.fx.Graph) -> list[tuple[str, str, int]]:
             if not member.as_rms_norm:
                 _read_angles_in_kernel(graph, member)
     for (layer, kind), members in by_layer.items():
-        if layer is None:
-            groups = [[m] for m in members if not m.as_rms_norm]
-            for group in groups:
-                _replace_group(graph, kind, group)
-            continue
         groups: list[list[Member]] = []
         for member in members:
             if member.as_rms_norm and not any(not m.as_rms_norm for m in members):
@@ -211,7 +207,7 @@ def merge_prologues(graph: torch.fx.Graph) -> list[tuple[str, str, int]]:
             # a node edited in place keeps stale metadata Inductor reads when lowering.
             _replace_group(graph, kind, group)
             if len(group) > 1:
-                merged.append((f"layers.{layer}", kind, len(group)))
+                merged.append((f"layers.{layer}" if layer is not None else "graph", kind, len(group)))
     return merged
 
 
