@@ -27,7 +27,9 @@ def main() -> int:
     failures = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     table = torch.randn(8192, 64, device="cuda", generator=gen)
-    for tokens, weight_dtype, strided, ue8m0 in itertools.product((1, 64, 4096), (torch.float32, torch.bfloat16), (True, False), (True, False)):
+    for tokens, weight_dtype, strided, ue8m0, rounding in itertools.product(
+        (1, 64, 4096), (torch.float32, torch.bfloat16), (True, False), (True, False), (True, False)
+    ):
         qkv = torch.randn(tokens, 2112, device="cuda", generator=gen).to(torch.bfloat16)
         if not strided:
             qkv = qkv.clone()
@@ -46,7 +48,7 @@ def main() -> int:
             cos=table[:, :32], sin=table[:, 32:], positions=positions, slots=slots,
             latent_cache=torch.zeros(128, 64, 656, dtype=torch.uint8, device="cuda"),
             index_cache=torch.zeros(128, 64, 132, dtype=torch.uint8, device="cuda"),
-            cache_ue8m0=ue8m0,
+            cache_ue8m0=ue8m0, round_before_quant=rounding,
         )
         ref_args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
         ref = kv_op.mla_kv_prologue_reference(**ref_args)
@@ -55,7 +57,7 @@ def main() -> int:
         diffs["latent_cache"] = bytes_differing(args["latent_cache"], ref_args["latent_cache"])
         diffs["index_cache"] = bytes_differing(args["index_cache"], ref_args["index_cache"])
         bad = {k: v for k, v in diffs.items() if v}
-        print(f"kv op T={tokens} weight={weight_dtype} strided={strided} ue8m0={ue8m0}: {bad or 'bit-equal'}", flush=True)
+        print(f"kv op T={tokens} weight={weight_dtype} strided={strided} ue8m0={ue8m0} round={rounding}: {bad or 'bit-equal'}", flush=True)
         failures += bool(bad)
     for tokens in (1, 64, 4096):
         q = torch.randn(tokens, 128, 192, device="cuda", generator=gen).to(torch.bfloat16)

@@ -163,6 +163,22 @@ def pick(inputs: dict, keys) -> dict:
     return {k: inputs[k] for k in keys}
 
 
+def kernel_times_us(fn, calls: int = 20) -> dict:
+    """Mean device µs per call of every kernel `fn` launches (profiler, outside a graph)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for event in prof.key_averages():
+        total = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if total and "memcpy" not in event.key.lower() and "memset" not in event.key.lower():
+            out[event.key[:90]] = round(total / calls, 2)
+    return out
+
+
 def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     """FP8 bytes differing, bf16/fp32 relative errors, cache rows, untouched rows."""
     names = ("qr_fp8", "qr_scale", "q_full", "iq_fp8", "weights")
@@ -229,6 +245,7 @@ def main() -> None:
                 row[f"{name}_kernels"] = count.count
                 if name != "eager" and name != "eager_typed_caches":
                     row[f"{name}_kernel_names"] = count.names
+                    row[f"{name}_kernel_us"] = kernel_times_us(lambda fn=fn, k=keys[name]: fn(**pick(sets[0], k)))
                 us = common.graph_time_us(lambda i, fn=fn, k=keys[name]: fn(**pick(sets[i], k)), rotations)
                 row[f"{name}_us"] = us
                 row[f"{name}_gbs"] = size / us / 1e3
@@ -239,6 +256,7 @@ def main() -> None:
         summary = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k.endswith(("_kernels", "_us", "_pct_bw")) or k.startswith("speedup")}
         print(f"T={tokens:5d} {summary}", flush=True)
         print("   ours vs eager:", row.get("ours_vs_eager"), flush=True)
+        print("   ours kernels (us):", row.get("ours_kernel_us"), flush=True)
         rows.append(row)
     common.write_json(args.out, {"device": common.device_facts(), "copy_bandwidth_gbs": bandwidth, "rows": rows})
 

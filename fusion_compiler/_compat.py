@@ -8,6 +8,7 @@ moves, this is the only file that changes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -32,6 +33,7 @@ from torch._inductor.fx_passes.post_grad import view_to_reshape as _view_to_resh
 
 __all__ = [
     "trace_like_post_grad",
+    "JOINT_GRAPH_DROPS_ROUND_TRIPS",
     "run_with_fake_mode",
     "auto_functionalized",
     "CustomGraphPass",
@@ -93,10 +95,40 @@ def run_and_get_code(fn):
     return _run_and_get_code(fn)
 
 
+def _joint_graph_drops_round_trips() -> bool:
+    """Torch 2.11's joint-graph `pointless_convert` folds `x.to(bf16).to(float32)` into
+    `x.to(float32)`: the model's rounding to bf16 is gone from the graph our pass sees. Later
+    versions keep a narrowing intermediate (their rule tests the dtypes' itemsize)."""
+    from torch._inductor.fx_passes import joint_graph
+
+    return "itemsize" not in inspect.getsource(joint_graph.pointless_convert)
+
+
+JOINT_GRAPH_DROPS_ROUND_TRIPS: bool = _joint_graph_drops_round_trips()
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fold_convert_chains(gm: torch.fx.GraphModule) -> None:
+    """The same folding on a pattern's trace, so the pattern looks like the graph."""
+    convert = torch.ops.prims.convert_element_type.default
+    for node in list(gm.graph.nodes):
+        inner = node.args[0] if node.target is convert else None
+        if getattr(inner, "target", None) is convert and inner.args[1] in _FLOATS and node.args[1] in _FLOATS:
+            source = inner.args[0]
+            if source.meta.get("val") is not None and source.meta["val"].dtype == node.args[1]:
+                node.replace_all_uses_with(source)
+            else:
+                node.args = (source, node.args[1])
+    gm.graph.eliminate_dead_code()
+
+
 def trace_like_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
-    """`fwd_only`, then the post-grad rewrite that turns every `view` into `reshape`: a
-    pattern with a view in it must look like the post-grad graphs it is matched against."""
+    """`fwd_only`, then the rewrites the real graph went through before our pass: every `view`
+    becomes `reshape` (post-grad), and on torch 2.11 convert chains fold (joint graph)."""
     gm = fwd_only(fn, args, **kwargs)
+    if JOINT_GRAPH_DROPS_ROUND_TRIPS:
+        _fold_convert_chains(gm)
     _view_to_reshape(gm)
     gm.recompile()
     return gm

@@ -42,7 +42,7 @@ from ._device import (
 )
 
 # Bump whenever the kernel or its launch choices change (hashed into the Inductor cache key).
-KERNEL_VERSION = "mla_kv_prologue-1"
+KERNEL_VERSION = "mla_kv_prologue-2"
 
 LATENT_GROUP = 128  # fp8_ds_mla quant group (ops.mla_kv_prologue.LATENT_GROUP)
 _LATENT_GROUP = tl.constexpr(LATENT_GROUP)
@@ -64,7 +64,8 @@ def _rope_row(COS, SIN, POS, t, stride_cos, stride_sin, HAS_POS: tl.constexpr):
 @triton.jit
 def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, eps,
             N: tl.constexpr, GROUP: tl.constexpr, GROUPS_BLOCK: tl.constexpr,
-            GROUP_BLOCK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr):
+            GROUP_BLOCK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+            ROUND_BEFORE_QUANT: tl.constexpr):
     g1 = tl.arange(0, GROUPS_BLOCK)
     g = g1[:, None]
     j = tl.arange(0, GROUP_BLOCK)[None, :]
@@ -74,9 +75,10 @@ def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, ep
     h = upcast(tl.load(QC + t * stride_qc + col, mask=mask, other=0.0))
     rstd = tl.math.rsqrt(mean_from_sum(tl.sum(tl.sum(h * h, axis=1), axis=0), N) + eps)
     # Rounded to q_c's dtype, then (optionally) quantized from that rounded value.
-    y = downcast(h * rstd * w, QC.dtype.element_ty)
+    y32 = h * rstd * w
+    y = downcast(y32, QC.dtype.element_ty)
     if FP8:
-        codes, scale = fp8_group_quant(upcast(y), mask, UE8M0)
+        codes, scale = fp8_group_quant(upcast(y) if ROUND_BEFORE_QUANT else y32, mask, UE8M0)
         tl.store(Q_OUT + t * stride_qout + col, codes, mask=mask)
         tl.store(Q_SCALE + t * stride_qscale + g1, scale, mask=g1 < N // GROUP)
     else:
@@ -88,7 +90,7 @@ def _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_k
              stride_kpeout, eps, cos_row, sin_row, SLOTS, LATENT, latent_row_stride,
              KV_N: tl.constexpr, GROUPS_BLOCK: tl.constexpr, ROT: tl.constexpr,
              ROT_BLOCK: tl.constexpr, DEINTERLEAVE: tl.constexpr, STORE_KV: tl.constexpr,
-             LATENT_MODE: tl.constexpr, CACHE_UE8M0: tl.constexpr):
+             LATENT_MODE: tl.constexpr, CACHE_UE8M0: tl.constexpr, ROUND_BEFORE_QUANT: tl.constexpr):
     g1 = tl.arange(0, GROUPS_BLOCK)
     g = g1[:, None]
     col = g * _LATENT_GROUP + tl.arange(0, _LATENT_GROUP)[None, :]
@@ -105,7 +107,8 @@ def _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_k
     s = upcast(tl.load(sin_row + pair, mask=dmask, other=0.0))
 
     rstd = tl.math.rsqrt(mean_from_sum(tl.sum(tl.sum(h * h, axis=1), axis=0), KV_N) + eps)
-    kv = downcast(h * rstd * w, KVC.dtype.element_ty)
+    kv32 = h * rstd * w
+    kv = downcast(kv32, KVC.dtype.element_ty)
     pe = downcast(rotate(x, xp, c, s, first), KPE.dtype.element_ty)
 
     if STORE_KV:
@@ -122,7 +125,7 @@ def _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_k
             tl.store(row + KV_N + d, pe, mask=dmask & ok)
         else:
             # fp8_ds_mla bytes: [kv_rank fp8 | kv_rank / 128 fp32 scales | rot bf16].
-            codes, scale = fp8_group_quant(upcast(kv), mask, CACHE_UE8M0)
+            codes, scale = fp8_group_quant(upcast(kv) if ROUND_BEFORE_QUANT else kv32, mask, CACHE_UE8M0)
             store_fp8_as_bytes(row, col, codes, mask & ok)
             store_fp32_at_byte(row, KV_N + 4 * g1, scale, (g1 < KV_N // _LATENT_GROUP) & ok)
             pe_ptr = (row + (KV_N + 4 * (KV_N // _LATENT_GROUP))).to(tl.pointer_type(tl.bfloat16))
@@ -197,20 +200,21 @@ def _mla_kv_prologue_kernel(
     IK_N: tl.constexpr, IK_BLOCK: tl.constexpr, IK_HAS_BIAS: tl.constexpr,
     STORE_IK: tl.constexpr, HAS_INDEX_CACHE: tl.constexpr,
     CACHE_UE8M0: tl.constexpr,
+    ROUND_BEFORE_QUANT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     role = tl.program_id(1)
     if HAS_Q:
         if role == 0:
             _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, q_eps,
-                    Q_N, Q_GROUP, Q_GROUPS_BLOCK, Q_GROUP_BLOCK, Q_FP8, Q_UE8M0)
+                    Q_N, Q_GROUP, Q_GROUPS_BLOCK, Q_GROUP_BLOCK, Q_FP8, Q_UE8M0, ROUND_BEFORE_QUANT)
     if HAS_KV:
         if role == KV_PID:
             cos_row, sin_row = _rope_row(COS, SIN, POS, t, stride_cos, stride_sin, HAS_POS)
             _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_kvout,
                      stride_kpeout, kv_eps, cos_row, sin_row, SLOTS, LATENT, latent_row_stride,
                      KV_N, KV_GROUPS_BLOCK, ROT, ROT_BLOCK, DEINTERLEAVE, STORE_KV,
-                     LATENT_MODE, CACHE_UE8M0)
+                     LATENT_MODE, CACHE_UE8M0, ROUND_BEFORE_QUANT)
     if HAS_INDEX_K:
         if role == INDEX_K_PID:
             cos_row, sin_row = _rope_row(COS, SIN, POS, t, stride_cos, stride_sin, HAS_POS)
@@ -338,6 +342,7 @@ def mla_kv_prologue_fwd(named: dict, q_out: torch.Tensor, q_scale: torch.Tensor,
             IK_N=ik_width, IK_BLOCK=cfg["IK_BLOCK"],
             IK_HAS_BIAS=named["index_k_bias"] is not None, STORE_IK=store_ik,
             HAS_INDEX_CACHE=has_index_cache, CACHE_UE8M0=bool(named["cache_ue8m0"]),
+            ROUND_BEFORE_QUANT=bool(named["round_before_quant"]),
             num_warps=cfg["num_warps"],
             # No FMA contraction: the reference's fp32 products and sums are rounded one by
             # one (the kernel is memory-bound; contraction would only shift roundings).

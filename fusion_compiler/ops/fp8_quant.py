@@ -24,7 +24,9 @@ AMAX_FLOOR = 1e-4
 
 def group_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     """fp32 scale from a group's fp32 amax (already clamped)."""
-    scale = amax / FP8_MAX
+    # Correctly rounded on every device: torch on CUDA divides by a Python scalar as a multiply
+    # by its reciprocal (up to 1 ulp off); the kernels use IEEE division.
+    scale = (amax.double() / FP8_MAX).float()
     if ue8m0:
         # Exactly the next power of two >= scale (fp32 log2 can round a value just above a
         # power of two down onto it); DeepGEMM and DeepSeek's kernel do this on the bits.

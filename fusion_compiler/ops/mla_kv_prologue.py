@@ -6,14 +6,14 @@
         Tensor? index_k, Tensor? index_k_weight, Tensor? index_k_bias, float index_k_eps,
         Tensor? cos, Tensor? sin, Tensor? positions, Tensor? slots,
         Tensor(a!)? latent_cache, Tensor(b!)? index_cache, bool cache_ue8m0,
-        bool return_kv, bool return_index_k)
+        bool return_kv, bool return_index_k, bool round_before_quant)
       -> (Tensor q_out, Tensor q_scale, Tensor kv_out, Tensor k_pe_out, Tensor index_k_out)
 
 Three independent roles, each present when its input is given (one CUDA program per token
 and role; the horizontal merge in ``passes/horizontal.py`` folds sibling sites into one call):
 
 * q role (``q_c`` [T, q_rank]): RMSNorm; with ``q_quant_group`` > 0, FP8 group quant of the
-  result rounded to q_c's dtype (``fp8_quant.py`` contract) for the FP8 q_b GEMM: ``q_out`` fp8, ``q_scale`` fp32
+  result, rounded to q_c's dtype first unless ``round_before_quant`` is false (``fp8_quant.py`` contract) for the FP8 q_b GEMM: ``q_out`` fp8, ``q_scale`` fp32
   [T, q_rank / group]; else ``q_out`` in q_c's dtype.
 * kv role (``kv_c`` [T, kv_rank], ``k_pe`` [T, rot]): RMSNorm of kv_c, interleaved (GPT-J) RoPE
   of k_pe; written at ``slots`` to the paged ``latent_cache`` and/or returned (``return_kv``).
@@ -58,7 +58,7 @@ _SCHEMA = (
     "Tensor? index_k, Tensor? index_k_weight, Tensor? index_k_bias, float index_k_eps, "
     "Tensor? cos, Tensor? sin, Tensor? positions, Tensor? slots, "
     "Tensor(a!)? latent_cache, Tensor(b!)? index_cache, bool cache_ue8m0, "
-    "bool return_kv, bool return_index_k) "
+    "bool return_kv, bool return_index_k, bool round_before_quant) "
     "-> (Tensor q_out, Tensor q_scale, Tensor kv_out, Tensor k_pe_out, Tensor index_k_out)"
 )
 
@@ -229,7 +229,7 @@ def mla_kv_prologue_reference(
     index_k=None, index_k_weight=None, index_k_bias=None, index_k_eps=1e-6,
     cos=None, sin=None, positions=None, slots=None,
     latent_cache=None, index_cache=None, cache_ue8m0=False,
-    return_kv=True, return_index_k=True,
+    return_kv=True, return_index_k=True, round_before_quant=True,
 ):  # fmt: skip
     """Plain torch, any device; mutates the caches like the op."""
     args = dict(locals())
@@ -238,19 +238,24 @@ def mla_kv_prologue_reference(
     # Distinct empties: a custom op's outputs may not alias each other.
     q_out, q_scale, kv_out, k_pe_out, index_k_out = (like.new_empty(0) for _ in range(5))
     if q_c is not None:
-        # Rounded to q_c's dtype before the quant, as model code does (norm, then act_quant).
-        normed = _rms(q_c, q_weight, q_eps).to(q_c.dtype)
+        normed = _rms(q_c, q_weight, q_eps)
         if q_quant_group:
-            q_out, q_scale = fp8_group_quant_reference(normed, q_quant_group, q_ue8m0)
+            # Model code rounds the norm's output to q_c's dtype, then quantizes it; torch 2.11's
+            # Inductor drops that round trip (round_before_quant=False follows its graph).
+            q_out, q_scale = fp8_group_quant_reference(
+                normed.to(q_c.dtype) if round_before_quant else normed, q_quant_group, q_ue8m0
+            )
         else:
-            q_out = normed
+            q_out = normed.to(q_c.dtype)
     if kv_c is not None or index_k is not None:
         cos_t, sin_t = rope.cos_sin_for_tokens(cos, sin, positions)
     if kv_c is not None:
-        kv = _rms(kv_c, kv_weight, kv_eps).to(kv_c.dtype)
+        kv32 = _rms(kv_c, kv_weight, kv_eps)
+        kv = kv32.to(kv_c.dtype)
         pe = rope.rope_interleaved_reference(k_pe, cos_t, sin_t)
         if latent_cache is not None:
-            _write_rows(latent_cache, slots, latent_cache_rows(kv, pe, latent_cache.dtype, cache_ue8m0))
+            quantized = kv if round_before_quant or latent_cache.dtype != torch.uint8 else kv32
+            _write_rows(latent_cache, slots, latent_cache_rows(quantized, pe, latent_cache.dtype, cache_ue8m0))
         if return_kv:
             kv_out = kv
             k_pe_out = rope.rope_interleaved_reference(k_pe, cos_t, sin_t, deinterleave_rope)
@@ -274,7 +279,7 @@ _ARG_NAMES = (
     "kv_c", "k_pe", "kv_weight", "kv_eps", "deinterleave_rope",
     "index_k", "index_k_weight", "index_k_bias", "index_k_eps",
     "cos", "sin", "positions", "slots", "latent_cache", "index_cache", "cache_ue8m0",
-    "return_kv", "return_index_k",
+    "return_kv", "return_index_k", "round_before_quant",
 )  # fmt: skip
 
 

@@ -34,7 +34,7 @@ _ROLES = {
           "index_q": ("index_q", "index_weights", "index_weights_scale", "index_q_fp8", "ue8m0")},
 }  # fmt: skip
 _ROLE_INPUT = {"kv": {"q": "q_c", "kv": "kv_c", "index_k": "index_k"}, "q": {"q": "q_pe", "index_q": "index_q"}}
-_SHARED = ("cos", "sin", "positions", "slots", "cache_ue8m0")
+_SHARED = ("cos", "sin", "positions", "slots", "cache_ue8m0", "round_before_quant")
 
 
 @dataclasses.dataclass
@@ -156,6 +156,13 @@ def _writes_cache(member: Member) -> bool:
     return any(member.kwargs.get(name) is not None for name in ("latent_cache", "index_cache"))
 
 
+def _quantizes_norm(member: Member) -> bool:
+    """The member's roles read `round_before_quant` (a normed value FP8-quantized)."""
+    latent = member.kwargs.get("latent_cache")
+    latent_fp8 = latent is not None and latent.meta["val"].dtype == torch.uint8
+    return bool(member.kwargs.get("q_quant_group")) or latent_fp8
+
+
 def _compatible(group: list[Member], candidate: Member) -> bool:
     if any(candidate.roles & m.roles for m in group):
         return False
@@ -165,6 +172,8 @@ def _compatible(group: list[Member], candidate: Member) -> bool:
             if a is None or b is None:
                 continue
             if name == "cache_ue8m0" and not (_writes_cache(m) and _writes_cache(candidate)):
+                continue
+            if name == "round_before_quant" and not (_quantizes_norm(m) and _quantizes_norm(candidate)):
                 continue
             if name in ("cos", "sin"):
                 if _angle_key(a) != _angle_key(b):
@@ -223,6 +232,8 @@ def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member]) -> Non
                 kwargs[name] = m.kwargs.get(name)
         if _writes_cache(m):
             kwargs["cache_ue8m0"] = m.kwargs["cache_ue8m0"]
+        if _quantizes_norm(m):
+            kwargs["round_before_quant"] = m.kwargs["round_before_quant"]
     last = max(group, key=lambda m: _position(graph, m.node)).node
     with graph.inserting_after(last):
         if kind == "kv":

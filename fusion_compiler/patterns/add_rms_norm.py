@@ -142,6 +142,10 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return "x or weight has no tensor metadata"
     if x.dtype not in _ACT_DTYPES:
         return f"activation dtype {x.dtype} is not one of bf16/fp16/fp32"
+    if values.get("x_is_upcast"):
+        # Fusing from here would skip the site's own roundings to bf16; the variant traced
+        # for the real activation dtype takes the whole site instead.
+        return "x is an fp32 upcast of a bf16/fp16 tensor (the fp32 trace of this variant matched past the cast)"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight shape {tuple(weight.shape)} is not [{x.shape[-1]}] (the normalised dim)"
     if variant.params["fp8"]:
@@ -197,17 +201,27 @@ def _fp8_replacement(variant: Variant, lowering: str):
         out = _compat.auto_functionalized(
             torch.ops.fusion_compiler.mla_kv_prologue.default,
             **{**_KV_DEFAULTS, "q_c": x.reshape(-1, width), "q_weight": weight, "q_eps": eps,
-               "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0},
+               "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0,
+               "round_before_quant": not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS},
         )  # fmt: skip
         return out[0].view(x.shape), out[1].view(*x.shape[:-1], width // FP8_GROUP)
 
     return replace_norm_fp8
 
 
+def _is_upcast(node) -> bool:
+    """x is ``x16.to(float32)``: a variant traced for fp32 activations has matched past the
+    upcast of a bf16/fp16 site (its own ``.to(float32)`` is a no-op)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.prims.convert_element_type.default):
+        return False
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return node.args[1] == torch.float32 and source is not None and source.dtype in (torch.bfloat16, torch.float16)
+
+
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
     """eps: the addend beside the mean under the site's rsqrt (a number, or a node); for the
     FP8 variants, the dtypes cast to and the quant group widths (wildcards in the pattern)."""
-    facts: dict[str, Any] = {"casts": set(), "quant_groups": set()}
+    facts: dict[str, Any] = {"casts": set(), "quant_groups": set(), "x_is_upcast": _is_upcast(inputs.get("x"))}
     for node in nodes:
         if is_site(node) and node.args[0].target is aten.add.Tensor:
             add = node.args[0]

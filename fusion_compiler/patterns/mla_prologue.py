@@ -403,6 +403,7 @@ def _replace_kv_cache(p):
         out = _kv_op(
             kv_c=kv_c, k_pe=k_pe, kv_weight=weight, kv_eps=eps, cos=cos, sin=sin, slots=slots,
             latent_cache=cache, cache_ue8m0=p["ue8m0"], return_kv=False,
+            round_before_quant=not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS,
         )  # fmt: skip
         return out[5]
 

@@ -135,6 +135,7 @@ def build_args(cfg, gen):
         if index_cache:
             args["index_cache"] = guarded_cache(lead, d + 4, torch.uint8, gen)
         args["cache_ue8m0"] = cfg["cache_ue8m0"]
+    args["round_before_quant"] = cfg.get("round_before_quant", True)
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
@@ -253,6 +254,7 @@ def configs(draw):
     cfg["return_index_k"] = draw(st.booleans())
     cfg["index_cache"] = draw(st.booleans())
     cfg["cache_ue8m0"] = draw(st.booleans())
+    cfg["round_before_quant"] = draw(st.booleans())  # False: torch 2.11's graph (see _compat)
     cfg["positions"] = draw(st.sampled_from([None, torch.int32, torch.int64]))
     cfg["slots_dtype"] = draw(st.sampled_from([torch.int32, torch.int64]))
     cfg["flat_cache"] = draw(st.booleans())
