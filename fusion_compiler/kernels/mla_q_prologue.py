@@ -34,15 +34,23 @@ from ._device import (
 )
 
 # Bump whenever the kernel or its launch choices change (hashed into the Inductor cache key).
-KERNEL_VERSION = "mla_q_prologue-1"
+KERNEL_VERSION = "mla_q_prologue-2"
 
 # A program holds about this many lanes ([heads, dim] tile, dims padded to powers of two):
-# 2 heads x (512 + 64) for the q role at DeepSeek V3.2's size (a copy and a rotation: 32
-# registers per thread for sm_90), 8 heads x 128 for index_q (the FP8 quant holds more per
-# lane: 66 registers at 8 heads, 146 at 16).  Not tuned on a GPU yet.
-_Q_LANES_PER_PROGRAM = 2048
-_INDEX_Q_LANES_PER_PROGRAM = 1024
-_NUM_WARPS = 4
+# Launch table, measured on an H200 (torch 2.11, triton 3.6) at DeepSeek V3.2 widths (128 q heads
+# x (512 + 64), 64 index heads x 128, FP8 index q), CUDA-graph replays, bench/mla_q_sweep.py
+# (bench/results/mla_q_sweep_h200.json). (q lanes, index_q lanes, warps) -> us at 1/64/256/4096
+# tokens:
+#   (2048, 1024, 4): 2.65 / 12.3 / 35.9 / 546   (the first, untuned choice)
+#   (2048, 1024, 8): 2.11 / 10.5 / 33.5 / 513
+#   (9216, 2048, 8): 2.62 /  9.3 / 27.2 / 393   (79% of the 4.2 TB/s copy bandwidth)
+# Few tokens want many small programs (one token cannot fill the GPU otherwise); many tokens want
+# 16 q heads and 16 index heads per program.  Keyed on tokens, known at launch (no sync).
+_FEW_TOKENS = 16
+_LAUNCH = {"few": (2048, 1024, 8), "many": (9216, 2048, 8)}
+_Q_LANES_PER_PROGRAM = None  # bench/mla_q_sweep.py overrides the table through these three
+_INDEX_Q_LANES_PER_PROGRAM = None
+_NUM_WARPS = None
 
 
 @triton.jit
@@ -150,20 +158,23 @@ def heads_per_program(heads: int, lanes_per_head: int, lanes_per_program: int) -
     return max(1, min(hpp, triton.next_power_of_2(max(heads, 1))))
 
 
-def launch_config(q_heads: int, d_other: int, rot: int, index_heads: int, index_dim: int):
+def launch_config(q_heads: int, d_other: int, rot: int, index_heads: int, index_dim: int, tokens: int = 1):
     """Block sizes, heads per program and program counts (0 heads: role absent)."""
+    q_lanes, iq_lanes, warps = _LAUNCH["few" if tokens <= _FEW_TOKENS else "many"]
+    q_lanes = _Q_LANES_PER_PROGRAM or q_lanes
+    iq_lanes = _INDEX_Q_LANES_PER_PROGRAM or iq_lanes
+    warps = _NUM_WARPS or warps
     other_block = triton.next_power_of_2(d_other) if d_other else 1
     rot_block = triton.next_power_of_2(max(rot, 2))
     iq_block = triton.next_power_of_2(max(index_dim, 2))
-    q_hpp = heads_per_program(q_heads, (other_block if d_other else 0) + rot_block,
-                              _Q_LANES_PER_PROGRAM)
-    iq_hpp = heads_per_program(index_heads, iq_block, _INDEX_Q_LANES_PER_PROGRAM)
+    q_hpp = heads_per_program(q_heads, (other_block if d_other else 0) + rot_block, q_lanes)
+    iq_hpp = heads_per_program(index_heads, iq_block, iq_lanes)
     return dict(
         OTHER_BLOCK=other_block, ROT_BLOCK=rot_block, IQ_BLOCK=iq_block,
         Q_HPP=q_hpp, IQ_HPP=iq_hpp,
         n_q_programs=triton.cdiv(q_heads, q_hpp) if q_heads else 0,
         n_index_q_programs=triton.cdiv(index_heads, iq_hpp) if index_heads else 0,
-        num_warps=_NUM_WARPS,
+        num_warps=warps,
     )
 
 
@@ -198,7 +209,7 @@ def mla_q_prologue_fwd(named: dict, q_out: torch.Tensor, index_q_out: torch.Tens
     d_other = q_other.shape[2] if (has_q and q_other is not None) else 0
     index_heads = index_q.shape[1] if has_iq else 0
     index_dim = index_q.shape[2] if has_iq else 0
-    cfg = launch_config(q_heads, d_other, rot, index_heads, index_dim)
+    cfg = launch_config(q_heads, d_other, rot, index_heads, index_dim, tokens)
     if has_q:
         _check_out(q_out, (tokens, q_heads, d_other + rot), q_pe.dtype, "q_out")
     if has_iq:

@@ -192,6 +192,9 @@ def test_launch_config_real_sizes():
     assert cfg["OTHER_BLOCK"] == 512 and cfg["ROT_BLOCK"] == 64 and cfg["IQ_BLOCK"] == 128
     assert cfg["Q_HPP"] == 2 and cfg["n_q_programs"] == 64
     assert cfg["IQ_HPP"] == 8 and cfg["n_index_q_programs"] == 8
+    cfg = K.launch_config(128, 512, 64, 64, 128, tokens=4096)  # many tokens: 16 + 16 heads per program
+    assert cfg["Q_HPP"] == 16 and cfg["n_q_programs"] == 8
+    assert cfg["IQ_HPP"] == 16 and cfg["n_index_q_programs"] == 4
     cfg = K.launch_config(0, 0, 64, 64, 128)
     assert cfg["n_q_programs"] == 0 and cfg["n_index_q_programs"] == 8
     cfg = K.launch_config(3, 32, 32, 5, 64)  # heads not a multiple of the heads per program
