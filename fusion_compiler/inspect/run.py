@@ -27,7 +27,7 @@ from . import counting
 log = logging.getLogger("fusion_compiler.inspect")
 
 MODES = ("eager", "inductor", "fusion_compiler")
-FAMILY = "add_rms_norm"
+FAMILY = "add_rms_norm"  # the first column; the adapter may expect sites of more families
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ def run_mode(model, step, mode: str, device: str, expected: dict | None) -> Mode
         backend, graphs = _counting_backend(_compat.compile_fx)
         fn = torch.compile(model, backend=backend)
     else:
-        fusion = FusionBackend(FusionConfig(expected={FAMILY: expected or {}}))
+        fusion = FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}))
         backend, graphs = _counting_backend(fusion)
         fn = torch.compile(model, backend=backend)
         report = fusion.report
@@ -118,10 +118,10 @@ def inspect_model(
     pairs = stack_pairs(kinds)
     stacks = list(dict.fromkeys([tuple(kinds)] + [s for pair in pairs.values() for s in pair]))
     per_stack: dict[tuple[str, ...], dict[str, ModeResult]] = {}
-    expected_full: dict[str, int] = {}
+    expected_full: dict[str, dict[str, int]] = {}
     for stack in stacks:
         model = build_stack(adapter, size, stack, device, dtype)
-        expected = rms_norm_sites(model, batch=batch, context=context)
+        expected = adapter.expected_sites(model, batch=batch, context=context)
         if stack == tuple(kinds):
             expected_full = expected
         per_stack[stack] = {}
@@ -138,9 +138,14 @@ def inspect_model(
         kind: {mode: (per_stack[big][mode].kernels - per_stack[small][mode].kernels) for mode in MODES}
         for kind, (big, small) in pairs.items()
     }
-    found = report.per_layer(FAMILY)
-    expected_per_layer = report.expected_per_layer(FAMILY)
-    misses = report.misses(FAMILY)
+    families = list(expected_full) or [FAMILY]
+    found = {f: report.per_layer(f) for f in families}
+    expected_per_layer = {f: report.expected_per_layer(f) for f in families}
+    misses = [m for f in families for m in report.misses(f)]
+
+    def matches(layer):
+        return {f: {"found": found[f].get(layer, 0), "expected": expected_per_layer[f].get(layer, 0)} for f in families}
+
     layer_rows = []
     for i, kind in enumerate(kinds):
         layer_rows.append(
@@ -148,9 +153,10 @@ def inspect_model(
                 "layer": i,
                 "kind": kind,
                 "kernels": {mode: per_kind[kind][mode].to_dict() for mode in MODES},
-                "matches": {FAMILY: {"found": found.get(i, 0), "expected": expected_per_layer.get(i, 0)}},
+                "matches": matches(i),
                 "misses": [
-                    {"module": m.module, "node": m.stopped_at, "reason": m.reason} for m in misses if m.layer == i
+                    {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason}
+                    for m in misses if m.layer == i
                 ],
             }
         )
@@ -166,8 +172,11 @@ def inspect_model(
         "per_layer": layer_rows,
         "kernel_pairs": {kind: {"stack": list(big), "less": list(small)} for kind, (big, small) in pairs.items()},
         "outside_layers": {
-            "matches": {FAMILY: {"found": found.get(None, 0), "expected": expected_per_layer.get(None, 0)}},
-            "misses": [{"module": m.module, "node": m.stopped_at, "reason": m.reason} for m in misses if m.layer is None],
+            "matches": matches(None),
+            "misses": [
+                {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason}
+                for m in misses if m.layer is None
+            ],
         },
         "whole_step_kernels": {mode: full[mode].kernels.to_dict() for mode in MODES},
         "graphs": {mode: full[mode].graphs for mode in MODES},
@@ -176,6 +185,7 @@ def inspect_model(
         },
         "expected_sites": expected_full,
         "match_summary": report.summary(),
+        "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in report.merges()],
     }
 
 
@@ -199,21 +209,26 @@ def format_table(result: dict) -> str:
     lines = [
         head,
         f"kernels per layer = K(stack) - K(stack less one layer) per kind; sources: " + ", ".join(f"{m}={s}" for m, s in source.items()),
-        f"{'layer':>5} {'kind':<16} {'eager':>6} {'inductor':>9} {'fusion':>7}  {'add_rms_norm':>12}",
     ]
+    families = list(result["per_layer"][0]["matches"]) if result["per_layer"] else [FAMILY]
+    lines.append(f"{'layer':>5} {'kind':<16} {'eager':>6} {'inductor':>9} {'fusion':>7}  " + "  ".join(f"{f:>14}" for f in families))
+
+    def found(matches):
+        return "  ".join(f"{str(matches[f]['found']) + '/' + str(matches[f]['expected']):>14}" for f in families)
+
     for row in result["per_layer"]:
         k = row["kernels"]
-        m = row["matches"][FAMILY]
         lines.append(
             f"{row['layer']:>5} {row['kind']:<16} {k['eager']['count']:>6} {k['inductor']['count']:>9} "
-            f"{k['fusion_compiler']['count']:>7}  {m['found']:>5}/{m['expected']:<6}"
+            f"{k['fusion_compiler']['count']:>7}  {found(row['matches'])}"
         )
         for miss in row["misses"]:
-            lines.append(f"        miss {miss['module']} at {miss['node']}: {miss['reason']}")
-    out = result["outside_layers"]["matches"][FAMILY]
-    lines.append(f"{'-':>5} {'outside layers':<16} {'':>6} {'':>9} {'':>7}  {out['found']:>5}/{out['expected']:<6}")
+            lines.append(f"        miss {miss['family']} at {miss['module']} ({miss['node']}): {miss['reason'][:200]}")
+    lines.append(f"{'-':>5} {'outside layers':<16} {'':>6} {'':>9} {'':>7}  {found(result['outside_layers']['matches'])}")
     for miss in result["outside_layers"]["misses"]:
-        lines.append(f"        miss {miss['module']} at {miss['node']}: {miss['reason']}")
+        lines.append(f"        miss {miss['family']} at {miss['module']} ({miss['node']}): {miss['reason'][:200]}")
+    for merge in result.get("merged_launches", []):
+        lines.append(f"merged {merge['sites']} {merge['kind']}-prologue sites of {merge['layer']} into one launch")
     lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))
     return "\n".join(lines)
 

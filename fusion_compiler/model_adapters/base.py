@@ -134,6 +134,11 @@ class ModelAdapter:
     default_layers: int
     layer_kind_fn: Callable[[Any], list[str]] = field(default=generic_layer_kinds, repr=False, compare=False)
     layer_config_fn: Callable[[dict, int], dict] | None = field(default=None, repr=False, compare=False)
+    # (model, {RMSNorm module: calls}) -> {family: {module: sites}}; None: every RMSNorm is an
+    # add_rms_norm site.
+    expected_fn: Callable[[torch.nn.Module, dict[str, int]], dict[str, dict[str, int]]] | None = field(
+        default=None, repr=False, compare=False
+    )
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION  # None: non-MoE model
 
@@ -181,6 +186,14 @@ class ModelAdapter:
         if sub is not None and sub is not config:
             config = config.get_text_config(decoder=True)
         return config
+
+    def expected_sites(self, model: torch.nn.Module, batch: int = 1, context: int = 16) -> dict[str, dict[str, int]]:
+        """Sites each family should fuse in one decode step: family -> {module path: count}.
+        Derived from the module tree and the norms that really run (forward hooks)."""
+        norms = rms_norm_sites(model, batch=batch, context=context)
+        if self.expected_fn is None:
+            return {"add_rms_norm": norms}
+        return self.expected_fn(model, norms)
 
     # ---- model ------------------------------------------------------------------------------
     def build_hf(

@@ -93,7 +93,8 @@ def test_reference_layer0_cache_bytes_equal_eager_and_untouched_slots_unchanged(
 def hf_run():
     adapter = get_adapter("deepseek-v3.2")
     model = adapter.build_hf(size="tiny", layers=2, dtype=torch.bfloat16)
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True))
+    # Strict against the adapter's expectations: any expected site left unfused raises.
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=adapter.expected_sites(model)))
     torch._dynamo.reset()
     eager = make_decode_step(model).run(model)
     fused = make_decode_step(model).run(torch.compile(model, backend=backend))
@@ -104,6 +105,8 @@ def test_hf_every_layer_fuses_its_four_sites(hf_run):
     report = hf_run["report"]
     assert report.misses() == [], report.format()
     assert len(report.graphs) == 1
+    assert report.missing_expected() == []
+    assert report.expected_per_layer(FAMILY) == {0: 4, 1: 4}
     per_layer = _per_layer(report)
     for layer in (0, 1):
         assert sorted(per_layer[layer]) == sorted(SITES_PER_LAYER)
