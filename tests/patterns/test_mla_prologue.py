@@ -40,7 +40,7 @@ def reference_run():
     step = ref.make_step(cfg, tokens=3, context=6)
     pristine = step.clone()
     eager_step, fused_step = step.clone(), step.clone()
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True))
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=ref.expected_sites(model)))
     torch._dynamo.reset()
     with torch.no_grad():
         eager = model(**eager_step.kwargs)
@@ -52,6 +52,9 @@ def reference_run():
 def test_reference_every_layer_fuses_its_four_sites(reference_run):
     report = reference_run["report"]
     assert report.misses() == [], report.format()
+    assert report.missing_expected() == []
+    assert report.expected_per_layer(FAMILY) == {0: 4, 1: 4}
+    assert report.expected_per_layer("add_rms_norm") == {0: 2, 1: 2}
     per_layer = _per_layer(report)
     assert sorted(per_layer) == [0, 1]
     for layer, sites in per_layer.items():
@@ -238,3 +241,74 @@ def test_interleaved_rope_in_neox_clothing_does_not_match():
     [miss] = report.misses()
     assert miss.family == FAMILY and miss.reason
     assert relative_error(actual, expected) < 1e-2
+
+
+class KvCacheWrite(torch.nn.Module):
+    """The reference's kv site on its own: RMSNorm(kv_c) and RoPE(k_pe) into a bf16 latent cache.
+    ``rope_other`` ropes a different tensor from the one written to the cache."""
+
+    def __init__(self, rope_other=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(128))
+        self.rope_other = rope_other
+
+    def forward(self, kv_c, k_pe, other, cos, sin, cache, slots):
+        kv = ref.rms_norm(kv_c, self.weight, 1e-6)
+        if self.rope_other:
+            roped = ref.rope_gptj(other, cos, sin)
+            rows = torch.cat([kv, k_pe], dim=-1)
+        else:
+            roped = other
+            rows = torch.cat([kv, ref.rope_gptj(k_pe, cos, sin)], dim=-1)
+        cache.view(-1, cache.shape[-1]).index_put_((slots,), rows)
+        return roped * 2
+
+
+def _kv_inputs():
+    t = 3
+    cos = torch.randn(t, 16)
+    return [torch.randn(t, 128, dtype=torch.bfloat16), torch.randn(t, 32, dtype=torch.bfloat16),
+            torch.randn(t, 32, dtype=torch.bfloat16), cos, torch.randn_like(cos),
+            torch.randn(4, 4, 160).to(torch.bfloat16), torch.tensor([3, 9, 14])]  # fmt: skip
+
+
+def _run_kv(module):
+    inputs = _kv_inputs()
+    eager_in = [t.clone() for t in inputs]
+    backend = fc.FusionBackend(fc.FusionConfig(families={"add_rms_norm": "off"}))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        module(*eager_in)
+        torch.compile(module, backend=backend)(*inputs)
+    return backend.report, inputs[5], eager_in[5]
+
+
+def test_kv_cache_site_matches():
+    report, cache, eager_cache = _run_kv(KvCacheWrite())
+    assert report.per_variant() == {"kv.cache_bf16": 1}
+    torch.testing.assert_close(cache.float(), eager_cache.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rope_of_another_tensor_than_the_cached_one_does_not_match():
+    report, cache, eager_cache = _run_kv(KvCacheWrite(rope_other=True))
+    assert report.per_variant() == {}
+    [miss] = report.misses()
+    assert miss.family == FAMILY and miss.reason
+    torch.testing.assert_close(cache.float(), eager_cache.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_guard_declines_a_non_contiguous_cache():
+    from fusion_compiler.patterns import mla_prologue
+
+    variant = next(v for v in mla_prologue.VARIANTS if v.name == "kv.cache_bf16")
+    kv_c, k_pe, _, cos, sin, cache, slots = _kv_inputs()
+    values = {
+        "kv_c": kv_c, "k_pe": k_pe, "weight": torch.ones(128), "cos": cos, "sin": sin, "eps": 1e-6,
+        "cache": cache.transpose(0, 1), "slots": slots,
+        "slice_steps": {2}, "split_sizes": [], "chunk_widths": set(), "casts": set(), "quant_groups": set(),
+        "angles_duplicated": False,
+    }  # fmt: skip
+    reason = mla_prologue.guard(values, variant)
+    assert reason is not None and "not contiguous" in reason
+    values["cache"] = cache
+    assert mla_prologue.guard(values, variant) is None

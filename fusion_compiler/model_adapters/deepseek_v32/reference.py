@@ -304,6 +304,19 @@ class ReferenceModel(nn.Module):
         return hidden + residual
 
 
+def expected_sites(model: ReferenceModel, prefix: str = "") -> dict[str, dict[str, int]]:
+    """Sites per family in one step: the four RoPE sites (kv, q in the attention; k, q in the
+    indexer) and two norms per layer (the input norm; q_a, which feeds the FP8 GEMMs)."""
+    mla, norms = {}, {}
+    for i in range(len(model.layers)):
+        layer = f"{prefix}layers.{i}"
+        mla[f"{layer}.self_attn"] = 2
+        mla[f"{layer}.self_attn.indexer"] = 2
+        norms[f"{layer}.input_layernorm"] = 1
+        norms[f"{layer}.self_attn.q_a_layernorm"] = 1
+    return {"mla_prologue": mla, "add_rms_norm": norms}
+
+
 def _context(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
     """Slot of every context position of every sequence, and which positions are real."""
     width = block_table.shape[1] * block_size
