@@ -22,8 +22,15 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
-def group_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    """fp32 scale from a group's fp32 amax (already clamped)."""
+def group_scale(amax: torch.Tensor, ue8m0: bool, exact: bool = True) -> torch.Tensor:
+    """fp32 scale from a group's fp32 amax (already clamped).
+
+    exact=False is the form Inductor fuses (fp32 division, exp2(ceil(log2))), for the canonical
+    decomposition: it can differ in the last bit of a plain scale, and for ue8m0 pick the lower
+    power of two when amax/448 lies within an fp32 log2 rounding above one (~2^-20 of groups)."""
+    if not exact:
+        scale = amax / FP8_MAX
+        return torch.exp2(torch.ceil(torch.log2(scale))) if ue8m0 else scale
     # Correctly rounded on every device: torch on CUDA divides by a Python scalar as a multiply
     # by its reciprocal (up to 1 ulp off); the kernels use IEEE division.
     scale = (amax.double() / FP8_MAX).float()
@@ -37,14 +44,14 @@ def group_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 
 
 def fp8_group_quant_reference(
-    x: torch.Tensor, group: int = 128, ue8m0: bool = False
+    x: torch.Tensor, group: int = 128, ue8m0: bool = False, exact: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y float8_e4m3fn shaped like x, scale float32 [*x.shape[:-1], x.shape[-1] // group])."""
     if x.shape[-1] % group:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the quant group {group}")
     groups = x.float().unflatten(-1, (x.shape[-1] // group, group))
     amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
-    scale = group_scale(amax, ue8m0)
+    scale = group_scale(amax, ue8m0, exact)
     y = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return y.flatten(-2), scale.squeeze(-1)
 

@@ -210,16 +210,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def latent_cache_rows(kv: torch.Tensor, k_pe: torch.Tensor, cache_dtype: torch.dtype, ue8m0: bool) -> torch.Tensor:
+def latent_cache_rows(kv: torch.Tensor, k_pe: torch.Tensor, cache_dtype: torch.dtype, ue8m0: bool, exact: bool = True) -> torch.Tensor:
     """The cache row of each token (see the module docstring for the two layouts)."""
     if cache_dtype != torch.uint8:
         return torch.cat([kv, k_pe], dim=-1).to(cache_dtype)
-    y, scale = fp8_group_quant_reference(kv, LATENT_GROUP, ue8m0)
+    y, scale = fp8_group_quant_reference(kv, LATENT_GROUP, ue8m0, exact)
     return torch.cat([_bytes(y), _bytes(scale), _bytes(k_pe.to(torch.bfloat16))], dim=-1)
 
 
-def index_cache_rows(k: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    y, scale = fp8_group_quant_reference(k, k.shape[-1], ue8m0)
+def index_cache_rows(k: torch.Tensor, ue8m0: bool, exact: bool = True) -> torch.Tensor:
+    y, scale = fp8_group_quant_reference(k, k.shape[-1], ue8m0, exact)
     return torch.cat([_bytes(y), _bytes(scale)], dim=-1)
 
 
@@ -234,38 +234,64 @@ def mla_kv_prologue_reference(
     """Plain torch, any device; mutates the caches like the op."""
     args = dict(locals())
     _validate(args, check_slot_values=True)
+    return _prologue(args, _write_rows, exact=True)
+
+
+def mla_kv_prologue_canonical(**kwargs):
+    """The same math as a functional graph Inductor fuses (lowering "inductor"): returns the
+    op's five outputs, then the new latent and index caches (None where absent), like
+    ``auto_functionalized`` does. Padding slots (-1) write back the row they would clobber."""
+    args = dict(zip(_ARG_NAMES, mla_kv_prologue_reference.__defaults__))
+    args.update(kwargs)
+    _validate(args)
+    written = {}
+
+    def write(cache, slots, rows):
+        flat = cache.reshape(-1, cache.shape[-1])
+        safe = slots.clamp(min=0)
+        rows = torch.where((slots >= 0).unsqueeze(-1), rows, flat[safe])
+        written[id(cache)] = torch.ops.aten.index_put.default(flat, [safe], rows).reshape(cache.shape)
+
+    outs = _prologue(args, write, exact=False)
+    return (*outs, written.get(id(args["latent_cache"])), written.get(id(args["index_cache"])))
+
+
+def _prologue(args: dict, write, exact: bool):
+    a = args
+    q_c, kv_c, k_pe, index_k = a["q_c"], a["kv_c"], a["k_pe"], a["index_k"]
+    latent_cache, index_cache, slots = a["latent_cache"], a["index_cache"], a["slots"]
     like = next(t for t in (q_c, kv_c, index_k) if t is not None)
     # Distinct empties: a custom op's outputs may not alias each other.
     q_out, q_scale, kv_out, k_pe_out, index_k_out = (like.new_empty(0) for _ in range(5))
     if q_c is not None:
-        normed = _rms(q_c, q_weight, q_eps)
-        if q_quant_group:
+        normed = _rms(q_c, a["q_weight"], a["q_eps"])
+        if a["q_quant_group"]:
             # Model code rounds the norm's output to q_c's dtype, then quantizes it; torch 2.11's
             # Inductor drops that round trip (round_before_quant=False follows its graph).
             q_out, q_scale = fp8_group_quant_reference(
-                normed.to(q_c.dtype) if round_before_quant else normed, q_quant_group, q_ue8m0
+                normed.to(q_c.dtype) if a["round_before_quant"] else normed, a["q_quant_group"], a["q_ue8m0"], exact
             )
         else:
             q_out = normed.to(q_c.dtype)
     if kv_c is not None or index_k is not None:
-        cos_t, sin_t = rope.cos_sin_for_tokens(cos, sin, positions)
+        cos_t, sin_t = rope.cos_sin_for_tokens(a["cos"], a["sin"], a["positions"])
     if kv_c is not None:
-        kv32 = _rms(kv_c, kv_weight, kv_eps)
+        kv32 = _rms(kv_c, a["kv_weight"], a["kv_eps"])
         kv = kv32.to(kv_c.dtype)
         pe = rope.rope_interleaved_reference(k_pe, cos_t, sin_t)
         if latent_cache is not None:
-            quantized = kv if round_before_quant or latent_cache.dtype != torch.uint8 else kv32
-            _write_rows(latent_cache, slots, latent_cache_rows(quantized, pe, latent_cache.dtype, cache_ue8m0))
-        if return_kv:
+            quantized = kv if a["round_before_quant"] or latent_cache.dtype != torch.uint8 else kv32
+            write(latent_cache, slots, latent_cache_rows(quantized, pe, latent_cache.dtype, a["cache_ue8m0"], exact))
+        if a["return_kv"]:
             kv_out = kv
-            k_pe_out = rope.rope_interleaved_reference(k_pe, cos_t, sin_t, deinterleave_rope)
+            k_pe_out = rope.rope_interleaved_reference(k_pe, cos_t, sin_t, a["deinterleave_rope"])
     if index_k is not None:
         rot = 2 * cos_t.shape[-1]
-        k = _layer_norm(index_k, index_k_weight, index_k_bias, index_k_eps).to(index_k.dtype)
+        k = _layer_norm(index_k, a["index_k_weight"], a["index_k_bias"], a["index_k_eps"]).to(index_k.dtype)
         k = torch.cat([rope.rope_neox_reference(k[:, :rot], cos_t, sin_t), k[:, rot:]], dim=-1)
         if index_cache is not None:
-            _write_rows(index_cache, slots, index_cache_rows(k, cache_ue8m0))
-        if return_index_k:
+            write(index_cache, slots, index_cache_rows(k, a["cache_ue8m0"], exact))
+        if a["return_index_k"]:
             index_k_out = k
     return q_out, q_scale, kv_out, k_pe_out, index_k_out
 

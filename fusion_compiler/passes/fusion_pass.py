@@ -42,9 +42,12 @@ class FusionPass(_compat.CustomGraphPass):
             modules_in_graph=modules_in(graph),
         )
         canonicalize_module.canonicalize(graph)
+        # Sites are the model's nodes: a replacement's own nodes (the "inductor" lowering's
+        # canonical norms, say) are never candidates for a later family.
+        model_nodes = set(graph.nodes)
         for family_name in self.config.enabled_families():
             family = FAMILIES[family_name]
-            graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph))
+            graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph, model_nodes))
         if self.config.horizontal_merge and self.config.lowering("mla_prologue") == "triton":
             graph_report.merged.extend(merge_prologues(graph))
         # Replacements can land before the nodes they read; sort before anything lints.
@@ -57,8 +60,8 @@ class FusionPass(_compat.CustomGraphPass):
         if missing and self.config.strict:
             raise MissedSiteError(_format_missing(graph_report, missing))
 
-    def _run(self, family: Family, lowering: str, graph: torch.fx.Graph) -> list[Site]:
-        anchors = [(n, module_path(n)) for n in graph.nodes if family.is_site(n)]
+    def _run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
+        anchors = [(n, module_path(n)) for n in graph.nodes if n in model_nodes and family.is_site(n)]
         recorder = run_family(family, lowering, graph)
         sites = []
         for anchor, module in anchors:

@@ -190,20 +190,20 @@ def replacement(variant: Variant, lowering: str):
 
 
 def _fp8_replacement(variant: Variant, lowering: str):
-    if lowering == "inductor":
-        return variant.search
     ue8m0 = variant.params["ue8m0"]
 
     def replace_norm_fp8(x, weight, eps):
         # The q role of mla_kv_prologue is exactly RMSNorm + FP8 group quant; using it lets the
-        # horizontal merge fold this norm into its layer's prologue launch.
+        # horizontal merge fold this norm into its layer's prologue launch. Lowering
+        # "inductor" takes the op's canonical decomposition instead.
         width = x.shape[-1]
-        out = _compat.auto_functionalized(
-            torch.ops.fusion_compiler.mla_kv_prologue.default,
-            **{**_KV_DEFAULTS, "q_c": x.reshape(-1, width), "q_weight": weight, "q_eps": eps,
-               "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0,
-               "round_before_quant": not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS},
-        )  # fmt: skip
+        kwargs = {"q_c": x.reshape(-1, width), "q_weight": weight, "q_eps": eps,
+                  "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0,
+                  "round_before_quant": not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS}  # fmt: skip
+        if lowering == "inductor":
+            out = kv_ops.mla_kv_prologue_canonical(**kwargs)
+        else:
+            out = _compat.auto_functionalized(torch.ops.fusion_compiler.mla_kv_prologue.default, **{**_KV_DEFAULTS, **kwargs})
         return out[0].view(x.shape), out[1].view(*x.shape[:-1], width // FP8_GROUP)
 
     return replace_norm_fp8

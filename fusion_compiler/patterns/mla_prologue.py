@@ -358,12 +358,18 @@ def _tokens(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
-def _kv_op(**kwargs):
+def _kv_op(lowering: str, **kwargs):
+    """The kv-side op's outputs then its new caches: the Triton op (functionalized), or for
+    lowering "inductor" the canonical decomposition, which returns the same tuple."""
+    if lowering == "inductor":
+        return kv_ops.mla_kv_prologue_canonical(**kwargs)
     defaults = dict(zip(kv_ops._ARG_NAMES, kv_ops.mla_kv_prologue_reference.__defaults__))
     return _compat.auto_functionalized(torch.ops.fusion_compiler.mla_kv_prologue.default, **{**defaults, **kwargs})
 
 
-def _q_op(**kwargs):
+def _q_op(lowering: str, **kwargs):
+    if lowering == "inductor":
+        return q_ops.mla_q_prologue_reference(**kwargs)  # plain torch, functional: Inductor fuses it
     defaults = dict(zip(q_ops._ARG_NAMES, q_ops.mla_q_prologue_reference.__defaults__))
     return torch.ops.fusion_compiler.mla_q_prologue(*({**defaults, **kwargs}[n] for n in q_ops._ARG_NAMES))
 
@@ -374,13 +380,11 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 
 
 def replacement(variant: Variant, lowering: str):
-    if lowering == "inductor":
-        # The canonical decomposition is the search function itself in its plainest spelling:
-        # Inductor fuses it on its own. The match still counts, so reports compare like with like.
-        return variant.search
-    if lowering != "triton":
+    if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
-    p = variant.params
+    # "inductor": the ops' semantics as plain functional torch (ops/*: *_canonical, *_reference),
+    # one canonical form whatever spelling matched; Inductor fuses it on its own.
+    p = dict(variant.params, lowering=lowering)
     return _REPLACEMENTS[variant.name.rsplit("_ue8m0", 1)[0]](p)
 
 
@@ -390,6 +394,7 @@ def _replace_kv_hf(p):
         batch, seq = compressed_kv.shape[:2]
         flat = _tokens(compressed_kv, rank + rot)
         out = _kv_op(
+            p["lowering"],
             kv_c=flat[:, :rank], k_pe=flat[:, rank:], kv_weight=weight, kv_eps=eps,
             cos=_tokens(cos, rot // 2), sin=_tokens(sin, rot // 2), deinterleave_rope=True,
         )  # fmt: skip
@@ -401,6 +406,7 @@ def _replace_kv_hf(p):
 def _replace_kv_cache(p):
     def replace(kv_c, k_pe, weight, cos, sin, cache, slots, eps):
         out = _kv_op(
+            p["lowering"],
             kv_c=kv_c, k_pe=k_pe, kv_weight=weight, kv_eps=eps, cos=cos, sin=sin, slots=slots,
             latent_cache=cache, cache_ue8m0=p["ue8m0"], return_kv=False,
             round_before_quant=not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS,
@@ -414,6 +420,7 @@ def _replace_index_k_hf(p):
     def replace(k, weight, bias, cos, sin, ln_eps):
         half = cos.shape[-1] // 2
         out = _kv_op(
+            p["lowering"],
             index_k=_tokens(k, k.shape[-1]), index_k_weight=weight, index_k_bias=bias, index_k_eps=ln_eps,
             cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half),
         )  # fmt: skip
@@ -425,6 +432,7 @@ def _replace_index_k_hf(p):
 def _replace_index_k_cache(p):
     def replace(k, weight, bias, cos, sin, cache, slots, ln_eps):
         out = _kv_op(
+            p["lowering"],
             index_k=k, index_k_weight=weight, index_k_bias=bias, index_k_eps=ln_eps, cos=cos, sin=sin,
             slots=slots, index_cache=cache, cache_ue8m0=p["ue8m0"], return_index_k=False,
         )  # fmt: skip
@@ -438,6 +446,7 @@ def _replace_q_hf(p):
         batch, heads, seq, rot = q_rot.shape
         as_tokens = functools.partial(_heads_last, batch=batch, seq=seq, heads=heads)
         out = _q_op(
+            p["lowering"],
             q_pe=as_tokens(q_rot), q_other=as_tokens(q_pass), deinterleave_rope=True,
             cos=_tokens(cos, rot // 2), sin=_tokens(sin, rot // 2),
         )  # fmt: skip
@@ -454,7 +463,7 @@ def _heads_last(t, batch, seq, heads):
 def _replace_q_absorbed(p):
     def replace(q_other, q_pe, cos, sin):
         half = q_pe.shape[-1] // 2
-        out = _q_op(q_pe=q_pe, q_other=q_other, cos=_tokens(cos, half), sin=_tokens(sin, half))
+        out = _q_op(p["lowering"], q_pe=q_pe, q_other=q_other, cos=_tokens(cos, half), sin=_tokens(sin, half))
         return out[0]
 
     return replace
@@ -464,7 +473,7 @@ def _replace_index_q_hf(p):
     def replace(q, cos, sin):
         half = cos.shape[-1] // 2
         heads, dim = q.shape[-2], q.shape[-1]
-        out = _q_op(index_q=q.reshape(-1, heads, dim), cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half))
+        out = _q_op(p["lowering"], index_q=q.reshape(-1, heads, dim), cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half))
         return out[1].view(q.shape)
 
     return replace
@@ -474,6 +483,7 @@ def _replace_index_q_fp8(p):
     def replace(q, cos, sin, weights, head_scale, dim_scale):
         half = cos.shape[-1]
         out = _q_op(
+            p["lowering"],
             index_q=q, index_weights=weights, index_weights_scale=head_scale * dim_scale, index_q_fp8=True,
             ue8m0=p["ue8m0"], cos=_tokens(cos, half), sin=_tokens(sin, half),
         )  # fmt: skip

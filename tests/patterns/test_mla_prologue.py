@@ -312,3 +312,26 @@ def test_guard_declines_a_non_contiguous_cache():
     assert reason is not None and "not contiguous" in reason
     values["cache"] = cache
     assert mla_prologue.guard(values, variant) is None
+
+
+def test_inductor_lowering_replaces_every_site_with_the_canonical_decomposition():
+    """Lowering "inductor": the same sites match (strict), no fused op is called, no launch is
+    merged, and the result stays as close to eager as stock Inductor's."""
+    cfg = dataclasses.replace(ref.TINY, kv_cache_dtype="fp8_ds_mla", num_layers=1)
+    model = ref.build(cfg)
+    step = ref.make_step(cfg, tokens=2, context=5)
+    eager_step, fused_step = step.clone(), step.clone()
+    config = fc.FusionConfig(default_lowering="inductor", strict=True, expected=ref.expected_sites(model))
+    backend = fc.FusionBackend(config)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(**eager_step.kwargs)
+        fused = torch.compile(model, backend=backend)(**fused_step.kwargs)
+        torch._dynamo.reset()
+        stock = torch.compile(model)(**step.clone().kwargs)
+    report = backend.report
+    assert report.missing_expected() == [] and report.misses() == [], report.format()
+    assert report.merges() == []
+    # On this random-weight model stock Inductor itself lands ~29% from eager at these inputs
+    # (the Triton lowering lands 0.3%): the canonical form must do no worse than stock.
+    assert relative_error(fused, eager) <= relative_error(stock, eager) + 1e-3
