@@ -42,7 +42,7 @@ from ._device import (
 )
 
 # Bump whenever the kernel or its launch choices change (hashed into the Inductor cache key).
-KERNEL_VERSION = "mla_kv_prologue-2"
+KERNEL_VERSION = "mla_kv_prologue-3"
 
 LATENT_GROUP = 128  # fp8_ds_mla quant group (ops.mla_kv_prologue.LATENT_GROUP)
 _LATENT_GROUP = tl.constexpr(LATENT_GROUP)
@@ -62,7 +62,7 @@ def _rope_row(COS, SIN, POS, t, stride_cos, stride_sin, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, eps,
+def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, stride_qscale_g, eps,
             N: tl.constexpr, GROUP: tl.constexpr, GROUPS_BLOCK: tl.constexpr,
             GROUP_BLOCK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
             ROUND_BEFORE_QUANT: tl.constexpr):
@@ -80,7 +80,7 @@ def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, ep
     if FP8:
         codes, scale = fp8_group_quant(upcast(y) if ROUND_BEFORE_QUANT else y32, mask, UE8M0)
         tl.store(Q_OUT + t * stride_qout + col, codes, mask=mask)
-        tl.store(Q_SCALE + t * stride_qscale + g1, scale, mask=g1 < N // GROUP)
+        tl.store(Q_SCALE + t * stride_qscale + g1 * stride_qscale_g, scale, mask=g1 < N // GROUP)
     else:
         tl.store(Q_OUT + t * stride_qout + col, y, mask=mask)
 
@@ -178,7 +178,7 @@ def _index_k_role(t, IK, IKW, IKB, IK_OUT, stride_ik, stride_ikout, eps, cos_row
 @triton.jit
 def _mla_kv_prologue_kernel(
     # q role
-    QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, q_eps,
+    QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, stride_qscale_g, q_eps,
     # kv role
     KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_kvout, stride_kpeout, kv_eps,
     LATENT, latent_row_stride,
@@ -206,7 +206,7 @@ def _mla_kv_prologue_kernel(
     role = tl.program_id(1)
     if HAS_Q:
         if role == 0:
-            _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, q_eps,
+            _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, stride_qscale_g, q_eps,
                     Q_N, Q_GROUP, Q_GROUPS_BLOCK, Q_GROUP_BLOCK, Q_FP8, Q_UE8M0, ROUND_BEFORE_QUANT)
     if HAS_KV:
         if role == KV_PID:
@@ -249,10 +249,10 @@ def launch_config(q_width: int, q_group: int, kv_width: int, rot: int, index_wid
     return cfg
 
 
-def _check_out(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str) -> None:
+def _check_out(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, any_layout: bool = False) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{name} must be {tuple(shape)} {dtype}, got {tuple(t.shape)} {t.dtype}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if not any_layout and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride on its last dim, got {t.stride()}")
 
 
@@ -290,7 +290,8 @@ def mla_kv_prologue_fwd(named: dict, q_out: torch.Tensor, q_scale: torch.Tensor,
     if has_q:
         if q_group:
             _check_out(q_out, q_c.shape, torch.float8_e4m3fn, "q_out")
-            _check_out(q_scale, (tokens, q_width // q_group), torch.float32, "q_scale")
+            _check_out(q_scale, (tokens, q_width // q_group), torch.float32, "q_scale",
+                       any_layout=bool(named.get("q_scale_column_major")))
         else:
             _check_out(q_out, q_c.shape, q_c.dtype, "q_out")
     if store_kv:
@@ -320,7 +321,8 @@ def mla_kv_prologue_fwd(named: dict, q_out: torch.Tensor, q_scale: torch.Tensor,
     def _launch():
         _mla_kv_prologue_kernel[grid](
             ptr(q_c), ptr(named["q_weight"]), ptr(q_out), ptr(q_scale),
-            row_stride(q_c), row_stride(q_out), row_stride(q_scale), float(named["q_eps"]),
+            row_stride(q_c), row_stride(q_out), row_stride(q_scale),
+            q_scale.stride(1) if q_scale.dim() == 2 else 1, float(named["q_eps"]),
             ptr(kv_c), ptr(k_pe), ptr(named["kv_weight"]), ptr(kv_out), ptr(k_pe_out),
             row_stride(kv_c), row_stride(k_pe), row_stride(kv_out), row_stride(k_pe_out),
             float(named["kv_eps"]),

@@ -6,7 +6,7 @@
         Tensor? index_k, Tensor? index_k_weight, Tensor? index_k_bias, float index_k_eps,
         Tensor? cos, Tensor? sin, Tensor? positions, Tensor? slots,
         Tensor(a!)? latent_cache, Tensor(b!)? index_cache, bool cache_ue8m0,
-        bool return_kv, bool return_index_k, bool round_before_quant)
+        bool return_kv, bool return_index_k, bool round_before_quant, bool q_scale_column_major)
       -> (Tensor q_out, Tensor q_scale, Tensor kv_out, Tensor k_pe_out, Tensor index_k_out)
 
 Three independent roles, each present when its input is given (one CUDA program per token
@@ -14,7 +14,8 @@ and role; the horizontal merge in ``passes/horizontal.py`` folds sibling sites i
 
 * q role (``q_c`` [T, q_rank]): RMSNorm; with ``q_quant_group`` > 0, FP8 group quant of the
   result, rounded to q_c's dtype first unless ``round_before_quant`` is false (``fp8_quant.py`` contract) for the FP8 q_b GEMM: ``q_out`` fp8, ``q_scale`` fp32
-  [T, q_rank / group]; else ``q_out`` in q_c's dtype.
+  [T, q_rank / group] (column-major, strides (1, T), as DeepGEMM reads them, with
+  ``q_scale_column_major``); else ``q_out`` in q_c's dtype.
 * kv role (``kv_c`` [T, kv_rank], ``k_pe`` [T, rot]): RMSNorm of kv_c, interleaved (GPT-J) RoPE
   of k_pe; written at ``slots`` to the paged ``latent_cache`` and/or returned (``return_kv``).
   A cache is any contiguous tensor whose last dim is the row ([blocks, block_size, row] for a
@@ -47,7 +48,7 @@ from ._checks import (
     require_size_eq,
     require_slots_in_range,
 )
-from .fp8_quant import FP8_DTYPE, fp8_group_quant_reference
+from .fp8_quant import FP8_DTYPE, fp8_group_quant_reference, scales_column_major
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LATENT_GROUP = 128
@@ -58,7 +59,7 @@ _SCHEMA = (
     "Tensor? index_k, Tensor? index_k_weight, Tensor? index_k_bias, float index_k_eps, "
     "Tensor? cos, Tensor? sin, Tensor? positions, Tensor? slots, "
     "Tensor(a!)? latent_cache, Tensor(b!)? index_cache, bool cache_ue8m0, "
-    "bool return_kv, bool return_index_k, bool round_before_quant) "
+    "bool return_kv, bool return_index_k, bool round_before_quant, bool q_scale_column_major) "
     "-> (Tensor q_out, Tensor q_scale, Tensor kv_out, Tensor k_pe_out, Tensor index_k_out)"
 )
 
@@ -229,7 +230,7 @@ def mla_kv_prologue_reference(
     index_k=None, index_k_weight=None, index_k_bias=None, index_k_eps=1e-6,
     cos=None, sin=None, positions=None, slots=None,
     latent_cache=None, index_cache=None, cache_ue8m0=False,
-    return_kv=True, return_index_k=True, round_before_quant=True,
+    return_kv=True, return_index_k=True, round_before_quant=True, q_scale_column_major=False,
 ):  # fmt: skip
     """Plain torch, any device; mutates the caches like the op."""
     args = dict(locals())
@@ -271,6 +272,8 @@ def _prologue(args: dict, write, exact: bool):
             q_out, q_scale = fp8_group_quant_reference(
                 normed.to(q_c.dtype) if a["round_before_quant"] else normed, a["q_quant_group"], a["q_ue8m0"], exact
             )
+            if a["q_scale_column_major"]:
+                q_scale = scales_column_major(q_scale)
         else:
             q_out = normed.to(q_c.dtype)
     if kv_c is not None or index_k is not None:
@@ -305,7 +308,7 @@ _ARG_NAMES = (
     "kv_c", "k_pe", "kv_weight", "kv_eps", "deinterleave_rope",
     "index_k", "index_k_weight", "index_k_bias", "index_k_eps",
     "cos", "sin", "positions", "slots", "latent_cache", "index_cache", "cache_ue8m0",
-    "return_kv", "return_index_k", "round_before_quant",
+    "return_kv", "return_index_k", "round_before_quant", "q_scale_column_major",
 )  # fmt: skip
 
 
@@ -329,6 +332,17 @@ def output_shapes(args: dict):
     return q_out, q_scale, kv_out, k_pe_out, index_k_out
 
 
+def _allocate(named: dict, empty) -> tuple:
+    """Outputs as the op returns them: q_scale column-major when asked."""
+    outs = []
+    for i, (shape, dtype) in enumerate(output_shapes(named)):
+        if i == 1 and named["q_scale_column_major"] and len(shape) == 2:
+            outs.append(empty((shape[1], shape[0]), dtype).t())
+        else:
+            outs.append(empty(shape, dtype))
+    return tuple(outs)
+
+
 @torch.library.custom_op(
     "fusion_compiler::mla_kv_prologue", mutates_args=("latent_cache", "index_cache"), schema=_SCHEMA
 )
@@ -341,7 +355,7 @@ def _fake(*args):
     named = dict(zip(_ARG_NAMES, args))
     _validate(named)
     like = next(t for t in (named["q_c"], named["kv_c"], named["index_k"]) if t is not None)
-    return tuple(like.new_empty(shape, dtype=dtype) for shape, dtype in output_shapes(named))
+    return _allocate(named, lambda shape, dtype: like.new_empty(shape, dtype=dtype))
 
 
 @_op.register_kernel("cuda")
@@ -351,7 +365,7 @@ def _cuda(*args):
     named = dict(zip(_ARG_NAMES, args))
     _validate(named)
     like = next(t for t in (named["q_c"], named["kv_c"], named["index_k"]) if t is not None)
-    outs = tuple(torch.empty(shape, dtype=dtype, device=like.device) for shape, dtype in output_shapes(named))
+    outs = _allocate(named, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=like.device))
     mla_kv_prologue_fwd(named, *outs)
     return outs
 

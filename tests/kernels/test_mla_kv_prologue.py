@@ -380,3 +380,21 @@ def test_gpu_real_sizes(tokens, ue8m0):
     cfg = dict(BASE, tokens=tokens, q_width=1536, q_group=128, q_ue8m0=ue8m0, kv_width=512,
                rot=64, index_dim=128, cache_ue8m0=ue8m0, deinterleave=True)
     run_and_compare(build_args(cfg, gen))
+
+
+@pytest.mark.parametrize("tokens", [2, 5])  # with 1 token both layouts are the same tensor
+def test_q_scales_column_major_as_deepgemm_reads_them(tokens):
+    """q_scale_column_major: same values, stored with strides (1, T); the op returns that layout."""
+    gen = torch.Generator().manual_seed(tokens)
+    q_c = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = dict(zip(op._ARG_NAMES, op.mla_kv_prologue_reference.__defaults__))
+    args.update(q_c=q_c, q_weight=torch.ones(256, dtype=torch.bfloat16, device=DEVICE), q_quant_group=128,
+                q_ue8m0=True, q_scale_column_major=True)  # fmt: skip
+    ref = op.mla_kv_prologue_reference(**args)
+    assert ref[1].stride() == (1, tokens)
+    outs = op._allocate(args, lambda shape, dtype: torch.full(shape, float("nan"), device=DEVICE).to(dtype))
+    K.mla_kv_prologue_fwd(args, *outs)
+    assert outs[1].stride() == (1, tokens)
+    assert torch.equal(outs[1], ref[1]) and torch.equal(outs[0].view(torch.uint8), ref[0].view(torch.uint8))
+    fake = op.mla_kv_prologue(**{k: v for k, v in args.items()})
+    assert fake[1].stride() == (1, tokens)
