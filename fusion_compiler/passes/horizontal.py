@@ -27,7 +27,7 @@ from ..ops import mla_q_prologue as q_ops
 aten = torch.ops.aten
 
 _ROLES = {
-    "kv": {"q": ("q_c", "q_weight", "q_eps", "q_quant_group", "q_ue8m0"),
+    "kv": {"q": ("q_c", "q_weight", "q_eps", "q_quant_group", "q_ue8m0", "q_scale_column_major"),
            "kv": ("kv_c", "k_pe", "kv_weight", "kv_eps", "deinterleave_rope", "latent_cache", "return_kv"),
            "index_k": ("index_k", "index_k_weight", "index_k_bias", "index_k_eps", "index_cache", "return_index_k")},
     "q": {"q": ("q_pe", "q_other", "deinterleave_rope"),
