@@ -11,7 +11,7 @@ from types import MappingProxyType
 # Families in the order the pass runs them. Later families (DeepSeek attention,
 # MoE routing, GQA prologues, GDN) go *before* "add_rms_norm": they take their
 # norms into bigger fusions, and the norm family gets what is left.
-FAMILY_ORDER: tuple[str, ...] = ("mla_prologue", "add_rms_norm")
+FAMILY_ORDER: tuple[str, ...] = ("mla_prologue", "moe_routing", "add_rms_norm")
 
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor

@@ -4,12 +4,13 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import mla_kv_prologue, mla_q_prologue, rms_norm
+    from . import mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["mla_prologue"] = (
         f"{mla_kv_prologue.KERNEL_VERSION}+{mla_q_prologue.KERNEL_VERSION}"
     )
+    KERNEL_VERSIONS["moe_routing"] = moe_route.KERNEL_VERSION
 
 
 try:
@@ -18,3 +19,4 @@ except ImportError:
     # No triton (non-Linux): CPU ops still run their references; a CUDA launch raises.
     KERNEL_VERSIONS["add_rms_norm"] = "triton-missing"
     KERNEL_VERSIONS["mla_prologue"] = "triton-missing"
+    KERNEL_VERSIONS["moe_routing"] = "triton-missing"

@@ -19,6 +19,7 @@ from .base import (
     randomize_weights_,
     rms_norm_modules,
     rms_norm_sites,
+    router_sites,
 )
 
 ADAPTERS: dict[str, ModelAdapter] = {

@@ -192,7 +192,7 @@ class ModelAdapter:
         Derived from the module tree and the norms that really run (forward hooks)."""
         norms = rms_norm_sites(model, batch=batch, context=context)
         if self.expected_fn is None:
-            return {"add_rms_norm": norms}
+            return {"add_rms_norm": norms, "moe_routing": router_sites(model)}
         return self.expected_fn(model, norms)
 
     # ---- model ------------------------------------------------------------------------------
@@ -459,6 +459,12 @@ def make_decode_step(
 # --------------------------------------------------------------------------------------------------
 # RMSNorm sites
 # --------------------------------------------------------------------------------------------------
+
+
+def router_sites(model: torch.nn.Module) -> dict[str, int]:
+    """MoE routers (HF ``*TopKRouter`` / ``*TopkRouter`` modules): one routing site per call.
+    Every MoE layer calls its router once per decode step."""
+    return {name: 1 for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")}
 
 
 def rms_norm_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

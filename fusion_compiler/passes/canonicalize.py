@@ -2,7 +2,9 @@
 
 Real graphs say the same thing several ways: `nn.RMSNorm` reduces over `[1]` where HF
 code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
-`add.Tensor`. Without this, a pattern silently matches one spelling and misses the other.
+`add.Tensor`; `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
+their argument lists. Without this, a pattern silently matches one spelling and misses the
+other. Pattern traces go through the same rewrite (patterns/registry.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,28 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += 1
         elif node.target in _REDUCTIONS and len(node.args) > 1:
             changed += _negative_dims(node)
+        elif node.target is aten.topk.default:
+            changed += _full_topk(node)
     return changed
+
+
+def _full_topk(node: torch.fx.Node) -> int:
+    """topk(x, k, dim, largest, sorted) with every argument given, dim negative, and
+    sorted=True: "unsorted" allows any order, so sorted is one valid result of it."""
+    names = ("self", "k", "dim", "largest", "sorted")
+    defaults = {"dim": -1, "largest": True, "sorted": True}
+    values = dict(zip(names, node.args))
+    values.update(node.kwargs)
+    source = values["self"]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    dim = values.get("dim", -1)
+    if value is not None and dim >= 0:
+        dim -= value.dim()
+    full = (source, values["k"], dim, values.get("largest", defaults["largest"]), True)
+    if full == tuple(node.args) and not node.kwargs:
+        return 0
+    node.args, node.kwargs = full, {}
+    return 1
 
 
 def _negative_dims(node: torch.fx.Node) -> int:

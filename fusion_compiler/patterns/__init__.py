@@ -2,5 +2,6 @@
 
 from .add_rms_norm import FAMILY as ADD_RMS_NORM
 from .mla_prologue import FAMILY as MLA_PROLOGUE
+from .moe_routing import FAMILY as MOE_ROUTING
 
-FAMILIES = {family.name: family for family in (MLA_PROLOGUE, ADD_RMS_NORM)}
+FAMILIES = {family.name: family for family in (MLA_PROLOGUE, MOE_ROUTING, ADD_RMS_NORM)}

@@ -115,6 +115,17 @@ def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool
     return check
 
 
+def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """A pattern trace in the form of the graphs it meets: post-grad rewrites, then our
+    canonical spellings (the pass canonicalises the real graph the same way)."""
+    from ..passes.canonicalize import canonicalize  # the pass owns the rules; no import cycle at load
+
+    gm = _compat.trace_like_post_grad(fn, args, **kwargs)
+    if canonicalize(gm.graph):
+        gm.recompile()
+    return gm
+
+
 @functools.lru_cache(maxsize=None)
 def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
     """Trace every variant of `family` once per process and lowering."""
@@ -129,7 +140,7 @@ def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
                 variant.search,
                 replace,
                 inputs,
-                _compat.trace_like_post_grad,
+                _trace,
                 matcher,
                 extra_check=_checked(family, variant),
                 scalar_workaround=dict(family.scalars),

@@ -93,6 +93,8 @@ def expected_sites(model, norms: dict[str, int]) -> dict[str, dict[str, int]]:
             mla[name] = 2
             mla[f"{name}.indexer"] = 2
     kv_norms = {f"{name}.kv_a_layernorm" for name in mla if not name.endswith(".indexer")}
+    # No moe_routing expectation yet: the grouped-routing variant (issue 4) does not exist, and
+    # its routers are reported as misses with that reason.
     return {"mla_prologue": mla, "add_rms_norm": {m: n for m, n in norms.items() if m not in kv_norms}}
 
 

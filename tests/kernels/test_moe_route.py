@@ -1,0 +1,271 @@
+"""The Triton MoE routing kernel against ``moe_route_reference``.
+
+CPU tier: the launcher runs on CPU tensors under TRITON_INTERPRET=1 (set by tests/conftest.py
+before this module imports the kernel).  The op's CPU dispatch runs the reference, so the
+kernel is called directly through ``moe_route_fwd``.
+
+Two input families:
+  * tie-free: logits are a scaled permutation (all distinct, exact in bf16) plus a random
+    bias; examples where the reference's ranked scores come within 1e-4 (relative) of a tie
+    are rejected, so ulp-level differences between torch's and Triton's exp cannot reorder;
+  * tie-heavy: logits from 4 discrete values (and a discrete bias, constant per group when
+    grouped so that mathematically equal group scores are computed by the same expression);
+    both sides rank ties by the lower index, so ids must match exactly.
+Weights: fp32 within 1e-6 relative, bf16/fp16 within one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
+from fusion_compiler.kernels import moe_route as K  # noqa: E402
+from fusion_compiler.ops.moe_route import _ARG_NAMES, GROUP_TOP, moe_route_reference  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+FP32_RTOL = 1e-6
+INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
+TIE_VALUES = (0.0, 0.5, 1.25, 2.0)  # sigmoid / exp pair sums all distinct; exact in bf16
+TIE_BIAS = (0.0, 0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def run_kernel(args: tuple):
+    """Run the kernel on NaN / -1 poisoned outputs with a guard row on each side."""
+    named = dict(zip(_ARG_NAMES, args))
+    logits, top_k, wdt = named["logits"], named["top_k"], named["weights_dtype"]
+    t = logits.shape[0]
+    wbuf = torch.full((t + 2, top_k), float("nan"), dtype=wdt, device=logits.device)
+    ibuf = torch.full((t + 2, top_k), -1, dtype=torch.int64, device=logits.device)
+    K.moe_route_fwd(named, wbuf[1 : t + 1], ibuf[1 : t + 1])
+    # Guard rows untouched.
+    assert torch.isnan(wbuf[0]).all() and torch.isnan(wbuf[-1]).all(), "weights written out of bounds"
+    assert (ibuf[0] == -1).all() and (ibuf[-1] == -1).all(), "ids written out of bounds"
+    return wbuf[1 : t + 1], ibuf[1 : t + 1]
+
+
+def assert_matches_reference(args: tuple):
+    weights, ids = run_kernel(args)
+    ref_w, ref_ids = moe_route_reference(*args)
+    assert torch.isfinite(weights).all(), "a weight was not written (NaN poison left)"
+    assert (ids >= 0).all(), "an id was not written (-1 poison left)"
+    assert torch.equal(ids.cpu(), ref_ids.cpu()), f"ids differ:\n{ids}\nvs reference\n{ref_ids}"
+    assert weights.dtype == ref_w.dtype
+    w, rw = weights.cpu(), ref_w.cpu()
+    if w.dtype == torch.float32:
+        torch.testing.assert_close(w, rw, rtol=FP32_RTOL, atol=1e-30)
+    else:
+        ulps = (w.view(INT_VIEW[w.dtype]).int() - rw.view(INT_VIEW[rw.dtype]).int()).abs()
+        assert (ulps <= 1).all() and (torch.sign(w) == torch.sign(rw)).all(), (
+            f"{w.dtype} weights differ by more than 1 ulp:\n{w}\nvs reference\n{rw}"
+        )
+
+
+def ranking_gaps_ok(args: tuple, rel: float = 1e-4) -> bool:
+    """True when the reference's ranking decisions are tie-free by ``rel`` (relative): the
+    ``topk_group + 1`` best group scores and the ``top_k + 1`` best (group-masked) choices
+    are pairwise separated, so ulp differences in exp/sigmoid cannot change the selection."""
+    logits, bias, top_k, n_group, topk_group, scoring = args[:6]
+    h = logits.float().cpu()
+    s = torch.sigmoid(h) if scoring == 0 else torch.softmax(h, dim=-1)
+    choice = s + bias.cpu() if bias is not None else s
+
+    def separated(v, n):
+        v = torch.sort(v, dim=-1, descending=True).values[:, : n + 1]
+        gap = v[:, :-1] - v[:, 1:]  # -inf - -inf = nan: compares False below
+        return not (gap <= rel * torch.maximum(v[:, :-1].abs(), v[:, 1:].abs())).any()
+
+    if n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        scores = torch.sort(grouped, dim=-1, descending=True).values[..., :GROUP_TOP].sum(-1)
+        if not separated(scores, topk_group):
+            return False
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(
+            1, torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk_group], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+    return separated(choice, top_k)
+
+
+def place(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """``values`` [T, E] in a layout: contiguous, a column slice of a wider NaN-filled
+    tensor (row stride != E), or every other column (column stride 2)."""
+    t, e = values.shape
+    if layout == "contiguous":
+        return values.contiguous()
+    if layout == "col_slice":
+        wide = torch.full((t, e + 7), float("nan"), dtype=values.dtype, device=values.device)
+        wide[:, 3 : 3 + e] = values
+        return wide[:, 3 : 3 + e]
+    wide = torch.full((t, 2 * e + 1), float("nan"), dtype=values.dtype, device=values.device)
+    wide[:, 1::2] = values
+    return wide[:, 1::2]
+
+
+@st.composite
+def configs(draw, max_experts_log2: int = 6):
+    experts = draw(st.sampled_from([e for e in (8, 16, 32, 64) if e <= 2 ** max_experts_log2]))
+    n_group = draw(st.sampled_from([1] + [g for g in (2, 4, 8) if experts // g >= GROUP_TOP]))
+    topk_group = draw(st.integers(1, n_group)) if n_group > 1 else 1
+    available = topk_group * (experts // n_group) if n_group > 1 else experts
+    top_k = draw(st.integers(1, min(available, 16)))
+    return dict(
+        tokens=draw(st.integers(1, 6)),
+        experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        top_k=top_k,
+        scoring=draw(st.sampled_from([0, 1])),
+        has_bias=draw(st.booleans()),
+        renormalize=draw(st.booleans()),
+        renorm_eps=draw(st.sampled_from([0.0, 1e-20])),
+        scale=draw(st.sampled_from([1.0, 2.5])),
+        logits_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        weights_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        layout=draw(st.sampled_from(["contiguous", "col_slice", "col_stride2"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def build_args(c: dict, ties: bool) -> tuple:
+    gen = torch.Generator().manual_seed(c["seed"])
+    t, e = c["tokens"], c["experts"]
+    if ties:
+        table = torch.tensor(TIE_VALUES)
+        logits = table[torch.randint(0, len(TIE_VALUES), (t, e), generator=gen)]
+        bias = None
+        if c["has_bias"]:
+            # Per expert, or constant within each group when grouped (see the module doc).
+            per = 1 if c["n_group"] == 1 else e // c["n_group"]
+            pick = torch.randint(0, len(TIE_BIAS), (e // per,), generator=gen)
+            bias = torch.tensor(TIE_BIAS)[pick].repeat_interleave(per)
+    else:
+        # Distinct multiples of 8 / E in [-4, 4): exact in bf16.
+        logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).float()
+        logits = (logits - e // 2) * (8.0 / e)
+        bias = torch.rand(e, generator=gen) * 0.1 if c["has_bias"] else None
+    logits = place(logits.to(c["logits_dtype"]).to(DEVICE), c["layout"])
+    if bias is not None:
+        bias = bias.to(DEVICE)
+    return (logits, bias, c["top_k"], c["n_group"], c["topk_group"], c["scoring"],
+            c["renormalize"], c["renorm_eps"], c["scale"], c["weights_dtype"])
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kernel_version_registered():
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-1"
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(c=configs())
+def test_tie_free_matches_reference(c):
+    args = build_args(c, ties=False)
+    assume(ranking_gaps_ok(args))
+    assert_matches_reference(args)
+
+
+@settings(max_examples=15, deadline=None)
+@given(c=configs())
+def test_tie_heavy_matches_reference(c):
+    assert_matches_reference(build_args(c, ties=True))
+
+
+@pytest.mark.parametrize(
+    "name, experts, top_k, n_group, topk_group, scoring, bias, renormalize, eps, scale, wdt",
+    [
+        ("deepseek_v3", 256, 8, 8, 4, 0, True, True, 1e-20, 2.5, torch.float32),
+        ("deepseek_v3_bf16w", 256, 8, 8, 4, 0, True, True, 1e-20, 2.5, torch.bfloat16),
+        ("minimax_m2", 256, 8, 1, 1, 0, True, True, 0.0, 1.0, torch.float32),
+        ("qwen3_moe", 512, 10, 1, 1, 1, False, True, 0.0, 1.0, torch.float32),
+        ("qwen3_moe_no_norm", 512, 10, 1, 1, 1, False, False, 0.0, 1.0, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_model_shapes(name, experts, top_k, n_group, topk_group, scoring, bias, renormalize, eps,
+                      scale, wdt, logits_dtype):
+    gen = torch.Generator().manual_seed(experts + top_k)
+    # Distinct multiples of 8 / E in [-4, 4) (exact in bf16), rows shuffled independently.
+    logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(5)]).float()
+    logits = ((logits - experts // 2) * (8.0 / experts)).to(logits_dtype).to(DEVICE)
+    b = (torch.rand(experts, generator=gen) * 0.1).to(DEVICE) if bias else None
+    args = (logits, b, top_k, n_group, topk_group, scoring, renormalize, eps, scale, wdt)
+    assert ranking_gaps_ok(args, rel=1e-5), "test input too close to a tie: change the seed"
+    assert_matches_reference(args)
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2), (8, 8)])
+def test_all_equal_logits_pick_lowest_indices(n_group, topk_group):
+    """Every score ties: experts and groups go to the lowest indices, like the reference."""
+    logits = torch.zeros(3, 64, device=DEVICE)
+    args = (logits, None, 8, n_group, topk_group, 0, True, 0.0, 1.0, torch.float32)
+    weights, ids = run_kernel(args)
+    assert torch.equal(ids.cpu(), torch.arange(8).expand(3, 8))
+    assert torch.equal(weights.cpu(), torch.full((3, 8), 0.125))
+    assert_matches_reference(args)
+
+
+def test_group_score_counts_both_equal_maxima():
+    """Group 0 holds two copies of the row max (score 2 * max); group 1 holds the max once
+    and high runners-up: group 0 must win."""
+    row = torch.full((1, 8), -4.0)
+    row[0, [0, 1]] = 3.0  # group 0: 3, 3
+    row[0, [4]] = 3.0  # group 1: 3, 2.5
+    row[0, [5]] = 2.5
+    args = (row.to(DEVICE), None, 2, 2, 1, 0, True, 0.0, 1.0, torch.float32)
+    _, ids = run_kernel(args)
+    assert ids.cpu().tolist() == [[0, 1]]
+    assert_matches_reference(args)
+
+
+def test_non_power_of_two_experts():
+    """Padded lanes (E = 48 in 4 groups of 12, and E = 40 ungrouped) never leak in."""
+    gen = torch.Generator().manual_seed(3)
+    for experts, n_group, topk_group, top_k in ((48, 4, 2, 7), (40, 1, 1, 40)):
+        logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(4)]).float() / 8
+        args = (logits.to(DEVICE), torch.rand(experts, generator=gen).to(DEVICE) * 0.01, top_k,
+                n_group, topk_group, 1, True, 1e-20, 2.5, torch.float32)
+        assert ranking_gaps_ok(args, rel=1e-6)
+        assert_matches_reference(args)
+
+
+def test_fp16_logits():
+    gen = torch.Generator().manual_seed(5)
+    logits = ((torch.randperm(64, generator=gen).float() - 32) / 8).to(torch.float16).view(1, 64)
+    args = (logits.to(DEVICE), None, 6, 4, 2, 0, True, 0.0, 1.0, torch.float16)
+    assert_matches_reference(args)
+
+
+def test_zero_tokens():
+    logits = torch.empty(0, 16, device=DEVICE)
+    weights = torch.empty(0, 4, device=DEVICE)
+    ids = torch.empty(0, 4, dtype=torch.int64, device=DEVICE)
+    named = dict(zip(_ARG_NAMES, (logits, None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32)))
+    K.moe_route_fwd(named, weights, ids)
+
+
+def test_rejects_bad_outputs():
+    logits = torch.randn(2, 16, device=DEVICE)
+    named = dict(zip(_ARG_NAMES, (logits, None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32)))
+    ids64 = torch.empty(2, 4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError):
+        K.moe_route_fwd(named, torch.empty(2, 3, device=DEVICE), ids64)
+    with pytest.raises(ValueError):
+        K.moe_route_fwd(named, torch.empty(2, 4, device=DEVICE), ids64.int())

@@ -1,0 +1,120 @@
+"""MoE routing on HF transformers' own routers and on near misses.
+
+- MiniMax-M2.5 (sigmoid + correction bias) and Qwen3.5 (softmax): every router in a tiny
+  model fuses, counted per layer against the adapter's expectations (strict), and the fused
+  routing returns eager's experts and weights.
+- DeepSeek V3.2's grouped routing has no variant yet: its routers are reported as misses,
+  with the reason.
+- Near misses: softmax scores with a sigmoid-style bias; the bias added to the gathered
+  weights instead of the choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_compiler as fc
+from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.verify import relative_error
+
+FAMILY = "moe_routing"
+
+
+def _assert_same_routing(fused, eager):
+    """Same experts per token (as sets: HF asks for unsorted top-k) with the same weights."""
+    (w_f, ids_f), (w_e, ids_e) = fused, eager
+    assert torch.equal(ids_f.sort(-1).values, ids_e.sort(-1).values)
+    by_id_f = torch.zeros(ids_f.shape[0], 1024, dtype=torch.float32).scatter(1, ids_f, w_f.float())
+    by_id_e = torch.zeros(ids_e.shape[0], 1024, dtype=torch.float32).scatter(1, ids_e, w_e.float())
+    torch.testing.assert_close(by_id_f, by_id_e, rtol=1e-2 if w_f.dtype != torch.float32 else 1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, variant", [("minimax-m2.5", "sigmoid_bias"), ("qwen3.5", "softmax")])
+def test_hf_router_fuses_and_routes_like_eager(name, variant):
+    model = get_adapter(name).build_hf(size="tiny", layers=1 if name != "qwen3.5" else 4, dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    moe = layer.mlp
+    gate = moe.gate
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.bfloat16)
+    args = (hidden, moe.e_score_correction_bias) if hasattr(moe, "e_score_correction_bias") else (hidden,)
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, w_e, ids_e = gate(*args)
+        _, w_f, ids_f = torch.compile(gate, backend=backend)(*args)
+    assert backend.report.per_variant() == {variant: 1}
+    assert w_f.dtype == w_e.dtype and ids_f.dtype == ids_e.dtype
+    _assert_same_routing((w_f, ids_f), (w_e, ids_e))
+
+
+@pytest.mark.parametrize("name", ["minimax-m2.5", "qwen3.5"])
+def test_every_router_of_the_model_fuses(name):
+    from fusion_compiler._compat import TORCH_VERSION
+
+    if name == "qwen3.5" and TORCH_VERSION < (2, 13):
+        pytest.skip("torch < 2.13 CPU Inductor crashes compiling tiny Qwen3.5 (stock too)")
+    adapter = get_adapter(name)
+    model = adapter.build_hf(size="tiny", layers=adapter.default_layers, dtype=torch.bfloat16)
+    expected = adapter.expected_sites(model)
+    assert len(expected[FAMILY]) == adapter.default_layers  # every layer is MoE
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    torch._dynamo.reset()
+    eager = make_decode_step(model).run(model)
+    fused = make_decode_step(model).run(torch.compile(model, backend=backend))
+    report = backend.report
+    assert report.missing_expected() == []
+    assert report.per_module(FAMILY) == expected[FAMILY]
+    assert relative_error(fused, eager) < 2e-2
+
+
+def test_deepseek_grouped_routing_is_a_reported_miss():
+    adapter = get_adapter("deepseek-v3.2")
+    model = adapter.build_hf(size="tiny", layers=1, dtype=torch.bfloat16)
+    moe = model.model.layers[0].mlp
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(moe.gate, backend=backend)(torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16))
+    [miss] = backend.report.misses(FAMILY)
+    assert "grouped routing" in miss.reason
+
+
+class Router(torch.nn.Module):
+    def __init__(self, spelling, experts=16, hidden=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+        self.register_buffer("bias", 0.1 * torch.randn(experts))
+        self.spelling = spelling
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        if self.spelling == "softmax_with_bias":  # softmax where the bias-corrected sigmoid is expected
+            scores = torch.softmax(logits.float(), dim=-1)
+            _, ids = torch.topk(scores + self.bias, 4, dim=-1)
+            weights = scores.gather(1, ids)
+        elif self.spelling == "bias_after_gather":  # the bias moves the weights, not the choice
+            scores = torch.sigmoid(logits.float())
+            _, ids = torch.topk(scores, 4, dim=-1)
+            weights = (scores + self.bias).gather(1, ids)
+        else:
+            scores = torch.sigmoid(logits.float())
+            _, ids = torch.topk(scores + self.bias, 4, dim=-1)
+            weights = scores.gather(1, ids)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("spelling, variants", [("sigmoid_bias", {"sigmoid_bias": 1}), ("softmax_with_bias", {}), ("bias_after_gather", {})])
+def test_near_misses_do_not_match(spelling, variants):
+    router = Router(spelling)
+    x = torch.randn(5, 32)
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = router(x)
+        fused = torch.compile(router, backend=backend)(x)
+    assert backend.report.per_variant() == variants
+    if not variants:
+        [miss] = backend.report.misses(FAMILY)
+        assert miss.reason
+    _assert_same_routing(fused, eager)
