@@ -2,7 +2,8 @@
 
 Real graphs say the same thing several ways: `nn.RMSNorm` reduces over `[1]` where HF
 code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
-`add.Tensor`; `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
+`add.Tensor`; a 0-d constant is `scalar_tensor` in a trace and `full([])` in a graph;
+`torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
 their argument lists. Without this, a pattern silently matches one spelling and misses the
 other. Pattern traces go through the same rewrite (patterns/registry.py).
 """
@@ -29,6 +30,13 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _negative_dims(node)
         elif node.target is aten.topk.default:
             changed += _full_topk(node)
+        elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
+            # What masked_fill(x, m, float) decomposes to in a pattern trace; real graphs
+            # already carry it as a 0-d full (Inductor's own rewrite).
+            node.target = aten.full.default
+            node.args = ([], node.args[0])
+            node.kwargs = {**node.kwargs, "pin_memory": False}
+            changed += 1
     return changed
 
 

@@ -8,9 +8,10 @@ Variants are the routing math as real code writes it, keyed on the math, not on 
 * ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF
   Qwen3.5's ``Qwen3_5MoeTopKRouter``).
 
-Not yet: DeepSeek V3.2's grouped routing (group scores from the top-2 of each group, top
-groups, -inf masking). Its final top-k is still a site, so it is reported as a miss, with
-the node where matching stopped, until that variant lands.
+* ``sigmoid_bias_grouped``: DeepSeek V3/V3.2's ``noaux_tc`` routing (HF ``DeepseekV32TopkRouter``):
+  sigmoid + bias, each group scored by the sum of its 2 best experts, the ``topk_group`` best
+  groups kept (the others masked to -inf), top-k, unbiased weights renormalised with
+  ``+ renorm_eps`` (HF 1e-20) and scaled by ``routed_scaling_factor``.
 
 The router GEMM stays outside the pattern (cuBLAS); the GEMM-fused lowering for few tokens is
 issue 4's next step.
@@ -28,9 +29,17 @@ from .registry import Family, Reason, Variant
 
 aten = torch.ops.aten
 
-# Example scalar values no real routing uses, so the tracer can tell them from other literals.
-_TOP_K = 7
-_EXPERTS = 64
+# Example scalar values, traced as keyword arguments. Inductor re-traces every match with the
+# bound values and turns any literal equal to an example into that argument again, so an
+# example must not collide with a literal of a real graph (a token count, a group size):
+# large primes, and the guard checks every bound int against the graph (facts_of).
+_TOP_K = 1097
+_N_GROUP, _TOPK_GROUP = 1103, 1031
+_GROUPED_EXPERTS = 2 * _N_GROUP
+_EXPERTS = 2 * _TOP_K
+_TOKENS = 2
+_RENORM_EPS = 1.2345e-21
+_SCALE = 2.3456
 
 
 def sigmoid_bias(logits, bias, top_k):
@@ -38,6 +47,21 @@ def sigmoid_bias(logits, bias, top_k):
     _, ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False)
     weights = scores.gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def sigmoid_bias_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
+    scores = logits.sigmoid()
+    choice = scores + bias
+    experts = choice.shape[-1]
+    group_scores = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, experts // n_group).reshape(-1, experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
+    return weights * scale, ids
 
 
 def softmax(logits, top_k):
@@ -48,6 +72,7 @@ def softmax(logits, top_k):
 
 
 VARIANTS = (
+    Variant("sigmoid_bias_grouped", sigmoid_bias_grouped, {"scoring": "sigmoid", "grouped": True}),
     Variant("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
     Variant("softmax", softmax, {"scoring": "softmax"}),
 )
@@ -56,6 +81,11 @@ DTYPE_COMBOS = ((torch.bfloat16,), (torch.float32,), (torch.float16,))
 
 def example_inputs(variant: Variant, combo) -> list:
     (dtype,) = combo
+    if variant.params.get("grouped"):
+        if dtype != torch.float32:
+            return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM)
+        logits = torch.randn(_TOKENS, _GROUPED_EXPERTS, dtype=dtype)
+        return [logits, torch.randn(_GROUPED_EXPERTS), _TOP_K, _N_GROUP, _TOPK_GROUP, _RENORM_EPS, _SCALE]
     logits = torch.randn(3, _EXPERTS, dtype=dtype)
     if variant.params["scoring"] == "sigmoid":
         return [logits, torch.randn(_EXPERTS), _TOP_K]
@@ -65,10 +95,23 @@ def example_inputs(variant: Variant, combo) -> list:
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
     """top_k and the reduced dims, read from the graph (wildcards in the pattern)."""
     facts: dict[str, Any] = {"topk_dims": set(), "reduce_dims": set()}
+    topks = [n for n in nodes if n.target is aten.topk.default]
+    for node in topks:
+        facts["topk_dims"].add(node.args[2] if len(node.args) > 2 else -1)
+    if topks:
+        # The expert top-k is the one not over a reshaped group view or over group sums.
+        experts = [n for n in topks if getattr(n.args[0], "target", None) not in (aten.reshape.default, aten.sum.dim_IntList)]
+        facts["graph_top_k"] = (experts or topks)[-1].args[1]
+        group_tops = [n for n in topks if getattr(n.args[0], "target", None) is aten.reshape.default]
+        facts["group_top"] = group_tops[0].args[1] if group_tops else None
+        if group_tops:
+            # The graph's own constants, to check what the matcher bound (see _group_reason).
+            facts["graph_n_group"] = group_tops[0].args[0].args[1][1]
+            over_sums = [n for n in topks if getattr(n.args[0], "target", None) is aten.sum.dim_IntList]
+            facts["graph_topk_group"] = over_sums[0].args[1] if over_sums else None
     for node in nodes:
-        if node.target is aten.topk.default:
-            facts["top_k"] = node.args[1]
-            facts["topk_dims"].add(node.args[2] if len(node.args) > 2 else -1)
+        if node.op != "call_function":
+            continue
         elif node.target in (aten.sum.dim_IntList, aten.amax.default):
             facts["reduce_dims"].add(tuple(node.args[1]))
         elif node.target is aten.gather.default:
@@ -84,12 +127,18 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     top_k = values.get("top_k")
     if not isinstance(top_k, int) or isinstance(top_k, bool):
         return f"top_k is not a constant int (got {top_k})"
+    if values.get("graph_top_k") != top_k:
+        return f"top_k bound to {top_k} but the graph says {values.get('graph_top_k')} (ambiguous int literals)"
     if not 1 <= top_k <= experts:
         return f"top_k {top_k} is not in [1, {experts}]"
     if values["topk_dims"] - {-1, 1}:
         return f"top-k or gather runs over dims {sorted(values['topk_dims'])}, not the expert dim"
     if values["reduce_dims"] - {(-1,), (1,)}:
         return f"a reduction runs over dims {sorted(values['reduce_dims'])}, not the expert dim"
+    if variant.params.get("grouped"):
+        reason = _group_reason(values, experts, top_k)
+        if reason:
+            return reason
     bias = values.get("bias")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts,):
@@ -99,10 +148,41 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     return None
 
 
+def _group_reason(values, experts: int, top_k: int) -> Reason:
+    n_group, topk_group = values.get("n_group"), values.get("topk_group")
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"{name} is not a constant int (got {v})"
+        # Inductor binds int scalars by value; where the graph's literals collide with the
+        # tracer's examples it can bind the wrong one. Never fuse on a binding the graph denies.
+        if values.get(f"graph_{name}") != v:
+            return f"{name} bound to {v} but the graph says {values.get(f'graph_{name}')} (ambiguous int literals)"
+    if n_group < 1 or experts % n_group:
+        return f"{n_group} groups do not divide the {experts} experts"
+    if values.get("group_top") != route_ops.GROUP_TOP:
+        return f"groups are scored by their top {values.get('group_top')}, the fused routing by the top {route_ops.GROUP_TOP}"
+    if experts // n_group < route_ops.GROUP_TOP:
+        return f"groups of {experts // n_group} experts cannot be scored by their top {route_ops.GROUP_TOP}"
+    if not 1 <= topk_group <= n_group:
+        return f"topk_group {topk_group} is not in [1, {n_group}]"
+    if top_k > topk_group * (experts // n_group):
+        return f"top_k {top_k} is larger than the {topk_group * (experts // n_group)} experts left unmasked"
+    for name in ("renorm_eps", "scale"):
+        if not isinstance(values.get(name), (int, float)):
+            return f"{name} is not a constant number (got {values.get(name)})"
+    return None
+
+
 def replacement(variant: Variant, lowering: str):
     route = route_ops.moe_route_reference if lowering == "inductor" else torch.ops.fusion_compiler.moe_route
     if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
+    if variant.params.get("grouped"):
+
+        def replace_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
+            return route(logits, bias, top_k, n_group, topk_group, 0, True, float(renorm_eps), float(scale), torch.float32)
+
+        return replace_grouped
     if variant.params["scoring"] == "sigmoid":
 
         def replace_sigmoid(logits, bias, top_k):
@@ -143,10 +223,7 @@ def is_site(node: torch.fx.Node) -> bool:
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    source = anchor.args[0]
-    if getattr(source, "target", None) is aten.where.self:
-        return source, "expert-group masking (DeepSeek grouped routing) has no fused variant yet"
-    return None
+    return None  # the guard's reasons and Inductor's FailedMatch say where a router departs
 
 
 FAMILY = Family(
@@ -154,7 +231,7 @@ FAMILY = Family(
     variants=VARIANTS,
     dtype_combos=DTYPE_COMBOS,
     example_inputs=example_inputs,
-    scalars={"top_k": _TOP_K},
+    scalars={"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE},
     guard=guard,
     replacement=replacement,
     facts_of=facts_of,

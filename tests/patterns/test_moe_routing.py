@@ -3,10 +3,11 @@
 - MiniMax-M2.5 (sigmoid + correction bias) and Qwen3.5 (softmax): every router in a tiny
   model fuses, counted per layer against the adapter's expectations (strict), and the fused
   routing returns eager's experts and weights.
-- DeepSeek V3.2's grouped routing has no variant yet: its routers are reported as misses,
-  with the reason.
+- DeepSeek V3.2 (grouped sigmoid + bias, renormalised with +1e-20, x routed_scaling_factor):
+  the same, with n_group / topk_group / top_k / eps / scale read from the graph.
 - Near misses: softmax scores with a sigmoid-style bias; the bias added to the gathered
-  weights instead of the choice.
+  weights instead of the choice; top-k larger than the experts the group mask leaves; a
+  group count that does not divide the experts (guard).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def _assert_same_routing(fused, eager):
     torch.testing.assert_close(by_id_f, by_id_e, rtol=1e-2 if w_f.dtype != torch.float32 else 1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, variant", [("minimax-m2.5", "sigmoid_bias"), ("qwen3.5", "softmax")])
+@pytest.mark.parametrize(
+    "name, variant",
+    [("minimax-m2.5", "sigmoid_bias"), ("qwen3.5", "softmax"), ("deepseek-v3.2", "sigmoid_bias_grouped")],
+)
 def test_hf_router_fuses_and_routes_like_eager(name, variant):
     model = get_adapter(name).build_hf(size="tiny", layers=1 if name != "qwen3.5" else 4, dtype=torch.bfloat16)
     layer = model.model.layers[0]
@@ -48,7 +52,7 @@ def test_hf_router_fuses_and_routes_like_eager(name, variant):
     _assert_same_routing((w_f, ids_f), (w_e, ids_e))
 
 
-@pytest.mark.parametrize("name", ["minimax-m2.5", "qwen3.5"])
+@pytest.mark.parametrize("name", ["minimax-m2.5", "qwen3.5", "deepseek-v3.2"])
 def test_every_router_of_the_model_fuses(name):
     from fusion_compiler._compat import TORCH_VERSION
 
@@ -68,16 +72,84 @@ def test_every_router_of_the_model_fuses(name):
     assert relative_error(fused, eager) < 2e-2
 
 
-def test_deepseek_grouped_routing_is_a_reported_miss():
+def test_grouped_routing_reads_its_constants_from_the_graph():
     adapter = get_adapter("deepseek-v3.2")
     model = adapter.build_hf(size="tiny", layers=1, dtype=torch.bfloat16)
-    moe = model.model.layers[0].mlp
+    gate = model.model.layers[0].mlp.gate
+    assert (gate.num_group, gate.topk_group, gate.top_k, gate.routed_scaling_factor) == (4, 2, 4, 2.5)
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
     backend = fc.FusionBackend(fc.FusionConfig())
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(moe.gate, backend=backend)(torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16))
+        _, w_e, ids_e = gate(x)
+        _, w_f, ids_f = torch.compile(gate, backend=backend)(x)
+    assert backend.report.per_variant() == {"sigmoid_bias_grouped": 1}
+    _assert_same_routing((w_f, ids_f), (w_e, ids_e))
+    assert torch.allclose(w_f.sum(-1), torch.full((3,), 2.5), rtol=1e-5)  # renormalised, then scaled
+
+
+class GroupedRouter(torch.nn.Module):
+    """DeepSeek's grouped routing with its constants as parameters (HF's code, functional)."""
+
+    def __init__(self, experts=16, groups=4, topk_group=1, top_k=6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, 32))
+        self.register_buffer("bias", 0.1 * torch.randn(experts))
+        self.experts, self.groups, self.topk_group, self.top_k = experts, groups, topk_group, top_k
+
+    def forward(self, x):
+        scores = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.bias
+        group_scores = choice.view(-1, self.groups, self.experts // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+        mask = mask.unsqueeze(-1).expand(-1, self.groups, self.experts // self.groups).reshape(-1, self.experts)
+        choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, ids
+
+
+def test_top_k_beyond_the_unmasked_experts_does_not_match():
+    router = GroupedRouter(topk_group=2, top_k=10)  # two groups of 4 experts left, 10 asked
+    x = torch.randn(5, 32)
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = router(x)
+        fused = torch.compile(router, backend=backend)(x)
+    assert backend.report.per_variant() == {}
     [miss] = backend.report.misses(FAMILY)
-    assert "grouped routing" in miss.reason
+    assert "larger than the 8 experts left unmasked" in miss.reason, miss.reason
+    # Experts picked among the -inf ties are unspecified; their weights' sum is not.
+    torch.testing.assert_close(fused[0].sum(-1), eager[0].sum(-1))
+
+
+def test_grouped_router_within_the_unmasked_experts_matches():
+    router = GroupedRouter(topk_group=2, top_k=6)
+    x = torch.randn(5, 32)
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = router(x)
+        fused = torch.compile(router, backend=backend)(x)
+    assert backend.report.per_variant() == {"sigmoid_bias_grouped": 1}
+    _assert_same_routing(fused, eager)
+
+
+def test_guard_declines_groups_that_do_not_divide_the_experts():
+    from fusion_compiler.patterns import moe_routing
+
+    variant = next(v for v in moe_routing.VARIANTS if v.name == "sigmoid_bias_grouped")
+    values = {
+        "logits": torch.randn(2, 16), "bias": torch.randn(16), "top_k": 2, "n_group": 3, "topk_group": 1,
+        "renorm_eps": 1e-20, "scale": 1.0, "group_top": 2, "topk_dims": {-1}, "reduce_dims": {(-1,)},
+        "graph_top_k": 2, "graph_n_group": 3, "graph_topk_group": 1,
+    }  # fmt: skip
+    reason = moe_routing.guard(values, variant)
+    assert reason is not None and "do not divide" in reason
+    values["n_group"] = values["graph_n_group"] = 4
+    assert moe_routing.guard(values, variant) is None
 
 
 class Router(torch.nn.Module):

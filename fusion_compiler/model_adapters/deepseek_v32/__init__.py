@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import ModelAdapter
+from ..base import ModelAdapter, router_sites
 
 # Real widths: hub config.json / config_671B_v3.2.json (docs/MODELS.md section 1).
 # `first_k_dense_replace` is 3 in the checkpoint (layers 0-2 use a dense 18432 MLP); we override it
@@ -53,7 +53,9 @@ REAL_CONFIG: dict = {
 # softmax scale is exercised and HF does not warn about a factor mismatch). HF constraints:
 # qk_rope_head_dim even (interleaved pairs) and <= index_head_dim (the indexer ropes the first
 # qk_rope_head_dim dims of its heads); n_routed_experts divisible by n_group with >= 2 experts per
-# group (group score = sum of top-2). index_topk 8 < decode context so the DSA mask really is sparse.
+# group (group score = sum of top-2); topk_group >= 2 like the real 4 of 8, because with 1 Inductor
+# rewrites the group mask's scatter into a single eq/where and the routing graph is not the real
+# one. index_topk 8 < decode context so the DSA mask really is sparse.
 TINY_CONFIG: dict = {
     **REAL_CONFIG,
     "vocab_size": 512,
@@ -67,11 +69,11 @@ TINY_CONFIG: dict = {
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 32,
     "v_head_dim": 32,
-    "n_routed_experts": 8,
+    "n_routed_experts": 16,
     "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
     "index_n_heads": 8,
     "index_head_dim": 64,
     "index_topk": 8,
@@ -93,9 +95,11 @@ def expected_sites(model, norms: dict[str, int]) -> dict[str, dict[str, int]]:
             mla[name] = 2
             mla[f"{name}.indexer"] = 2
     kv_norms = {f"{name}.kv_a_layernorm" for name in mla if not name.endswith(".indexer")}
-    # No moe_routing expectation yet: the grouped-routing variant (issue 4) does not exist, and
-    # its routers are reported as misses with that reason.
-    return {"mla_prologue": mla, "add_rms_norm": {m: n for m, n in norms.items() if m not in kv_norms}}
+    return {
+        "mla_prologue": mla,
+        "add_rms_norm": {m: n for m, n in norms.items() if m not in kv_norms},
+        "moe_routing": router_sites(model),
+    }
 
 
 ADAPTER = ModelAdapter(
