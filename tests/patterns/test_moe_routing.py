@@ -110,30 +110,29 @@ class GroupedRouter(torch.nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, ids
 
 
-def test_top_k_beyond_the_unmasked_experts_does_not_match():
-    router = GroupedRouter(topk_group=2, top_k=10)  # two groups of 4 experts left, 10 asked
+def _compile_router(router):
+    """(report, eager outputs, fused outputs) for 5 tokens through a small router."""
     x = torch.randn(5, 32)
     backend = fc.FusionBackend(fc.FusionConfig())
     torch._dynamo.reset()
     with torch.no_grad():
         eager = router(x)
         fused = torch.compile(router, backend=backend)(x)
-    assert backend.report.per_variant() == {}
-    [miss] = backend.report.misses(FAMILY)
+    return backend.report, eager, fused
+
+
+def test_top_k_beyond_the_unmasked_experts_does_not_match():
+    report, eager, fused = _compile_router(GroupedRouter(topk_group=2, top_k=10))  # 2 groups of 4 left, 10 asked
+    assert report.per_variant() == {}
+    [miss] = report.misses(FAMILY)
     assert "larger than the 8 experts left unmasked" in miss.reason, miss.reason
     # Experts picked among the -inf ties are unspecified; their weights' sum is not.
     torch.testing.assert_close(fused[0].sum(-1), eager[0].sum(-1))
 
 
 def test_grouped_router_within_the_unmasked_experts_matches():
-    router = GroupedRouter(topk_group=2, top_k=6)
-    x = torch.randn(5, 32)
-    backend = fc.FusionBackend(fc.FusionConfig())
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = router(x)
-        fused = torch.compile(router, backend=backend)(x)
-    assert backend.report.per_variant() == {"sigmoid_bias_grouped": 1}
+    report, eager, fused = _compile_router(GroupedRouter(topk_group=2, top_k=6))
+    assert report.per_variant() == {"sigmoid_bias_grouped": 1}
     _assert_same_routing(fused, eager)
 
 
@@ -178,15 +177,9 @@ class Router(torch.nn.Module):
 
 @pytest.mark.parametrize("spelling, variants", [("sigmoid_bias", {"sigmoid_bias": 1}), ("softmax_with_bias", {}), ("bias_after_gather", {})])
 def test_near_misses_do_not_match(spelling, variants):
-    router = Router(spelling)
-    x = torch.randn(5, 32)
-    backend = fc.FusionBackend(fc.FusionConfig())
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = router(x)
-        fused = torch.compile(router, backend=backend)(x)
-    assert backend.report.per_variant() == variants
+    report, eager, fused = _compile_router(Router(spelling))
+    assert report.per_variant() == variants
     if not variants:
-        [miss] = backend.report.misses(FAMILY)
+        [miss] = report.misses(FAMILY)
         assert miss.reason
     _assert_same_routing(fused, eager)
