@@ -1,11 +1,24 @@
-"""Helpers the kernel tests share: poisoned outputs with guard slabs."""
+"""Helpers the kernel tests share: where kernels run, poisoned outputs with guard slabs, and
+the comparisons that allow a rounding tie."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 FP8 = torch.float8_e4m3fn
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def skip_unless_kernels_can_run() -> None:
+    """Call at module level, before importing a kernel: Triton needs CUDA or its interpreter
+    (tests/conftest.py turns the interpreter on when there is no CUDA)."""
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
 def poisoned(shape, dtype):

@@ -20,7 +20,7 @@ import torch
 from .. import _compat
 from ..backend import FusionBackend
 from ..config import FusionConfig
-from ..model_adapters import ModelAdapter, make_decode_step, rms_norm_sites
+from ..model_adapters import ModelAdapter, make_decode_step
 from ..verify import relative_error
 from . import counting
 

@@ -242,8 +242,7 @@ def mla_kv_prologue_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns the
     op's five outputs, then the new latent and index caches (None where absent), like
     ``auto_functionalized`` does. Padding slots (-1) write back the row they would clobber."""
-    args = dict(zip(_ARG_NAMES, mla_kv_prologue_reference.__defaults__))
-    args.update(kwargs)
+    args = {**DEFAULTS, **kwargs}
     _validate(args)
     written = {}
 
@@ -312,6 +311,10 @@ _ARG_NAMES = (
 )  # fmt: skip
 
 
+# Every argument's default (the reference's): what a call that names only its roles passes.
+DEFAULTS = dict(zip(_ARG_NAMES, mla_kv_prologue_reference.__defaults__))
+
+
 def output_shapes(args: dict):
     """(shape, dtype) of each output; shape (0,) for an absent one."""
     q_c, kv_c, k_pe, index_k = args["q_c"], args["kv_c"], args["k_pe"], args["index_k"]
@@ -372,10 +375,8 @@ def _cuda(*args):
 
 def mla_kv_prologue(**kwargs):
     """Keyword front end of ``torch.ops.fusion_compiler.mla_kv_prologue`` with the reference's defaults."""
-    defaults = mla_kv_prologue_reference.__defaults__
-    args = dict(zip(_ARG_NAMES, defaults))
     unknown = set(kwargs) - set(_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown arguments {sorted(unknown)}")
-    args.update(kwargs)
+    args = {**DEFAULTS, **kwargs}
     return torch.ops.fusion_compiler.mla_kv_prologue(*(args[n] for n in _ARG_NAMES))

@@ -107,6 +107,10 @@ def mla_q_prologue_reference(
     return q_out, index_q_out, weights_out
 
 
+# Every argument's default (the reference's): what a call that names only its roles passes.
+DEFAULTS = dict(zip(_ARG_NAMES, mla_q_prologue_reference.__defaults__))
+
+
 def output_shapes(args: dict):
     q_pe, q_other, index_q = args["q_pe"], args["q_other"], args["index_q"]
     like = q_pe if q_pe is not None else index_q
@@ -149,9 +153,8 @@ def _cuda(*args):
 
 def mla_q_prologue(**kwargs):
     """Keyword front end of ``torch.ops.fusion_compiler.mla_q_prologue`` with the reference's defaults."""
-    args = dict(zip(_ARG_NAMES, mla_q_prologue_reference.__defaults__))
     unknown = set(kwargs) - set(_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown arguments {sorted(unknown)}")
-    args.update(kwargs)
+    args = {**DEFAULTS, **kwargs}
     return torch.ops.fusion_compiler.mla_q_prologue(*(args[n] for n in _ARG_NAMES))

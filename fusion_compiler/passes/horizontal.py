@@ -15,6 +15,7 @@ the same slots and cache quant format wherever both write a cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -45,6 +46,11 @@ class Member:
     roles: set
     as_rms_norm: bool = False  # a plain rms_norm op, joining as the q role
 
+    @functools.cached_property
+    def ancestors(self) -> set:
+        """Every node this member reads, directly or not (computed once per member)."""
+        return _ancestors(self.node)
+
 
 def _op(kind: str):
     return {"kv": torch.ops.fusion_compiler.mla_kv_prologue.default, "q": torch.ops.fusion_compiler.mla_q_prologue.default}[kind]
@@ -68,8 +74,7 @@ def _member(node: torch.fx.Node) -> Member | None:
         x_val = x.meta.get("val")
         if offset != 0.0 or x_val is None or out_dtype != x_val.dtype:
             return None
-        defaults = dict(zip(kv_ops._ARG_NAMES, kv_ops.mla_kv_prologue_reference.__defaults__))
-        return Member(node, "kv", {**defaults, "q_c": x, "q_weight": weight, "q_eps": eps}, {"q"}, as_rms_norm=True)
+        return Member(node, "kv", {**kv_ops.DEFAULTS, "q_c": x, "q_weight": weight, "q_eps": eps}, {"q"}, as_rms_norm=True)
     return None
 
 
@@ -142,7 +147,7 @@ def _read_angles_in_kernel(graph: torch.fx.Graph, member: Member) -> None:
     member.kwargs.update(cos=halves[0], sin=halves[1], positions=positions)
 
 
-def _ancestors(node: torch.fx.Node, stop: set) -> set:
+def _ancestors(node: torch.fx.Node) -> set:
     seen, stack = set(), [node]
     while stack:
         for parent in stack.pop().all_input_nodes:
@@ -181,13 +186,15 @@ def _compatible(group: list[Member], candidate: Member) -> bool:
             elif a is not b and a != b:
                 return False
     members = {m.node for m in group}
-    if members & _ancestors(candidate.node, members):
+    if members & candidate.ancestors:
         return False
-    return not any(candidate.node in _ancestors(m.node, {candidate.node}) for m in group)
+    return not any(candidate.node in m.ancestors for m in group)
 
 
 def merge_prologues(graph: torch.fx.Graph) -> list[tuple[str, str, int]]:
-    """Fold sibling prologue ops; returns (layer, kind, members) for every merged launch."""
+    """Fold sibling prologue ops; returns (layer, kind, members) for every merged launch.
+    Leaves the graph for the caller to sort topologically (FusionPass does)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
     by_layer: dict[tuple, list[Member]] = {}
     for node in graph.nodes:
         member = _member(node)
@@ -214,13 +221,15 @@ def merge_prologues(graph: torch.fx.Graph) -> list[tuple[str, str, int]]:
                 continue
             # A fresh node even for a group of one: its angle arguments may have changed, and
             # a node edited in place keeps stale metadata Inductor reads when lowering.
-            _replace_group(graph, kind, group)
+            _replace_group(graph, kind, group, order)
             if len(group) > 1:
                 merged.append((f"layers.{layer}" if layer is not None else "graph", kind, len(group)))
     return merged
 
 
-def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member]) -> None:
+def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member], order: dict) -> None:
+    """One call with every member's roles, inserted after the last member (``order``: the
+    graph's node order before merging); FusionPass sorts the graph once afterwards."""
     names = _arg_names(kind)
     kwargs = dict(group[0].kwargs)
     for m in group:
@@ -234,7 +243,7 @@ def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member]) -> Non
             kwargs["cache_ue8m0"] = m.kwargs["cache_ue8m0"]
         if _quantizes_norm(m):
             kwargs["round_before_quant"] = m.kwargs["round_before_quant"]
-    last = max(group, key=lambda m: _position(graph, m.node)).node
+    last = max(group, key=lambda m: order[m.node]).node
     with graph.inserting_after(last):
         if kind == "kv":
             flat_q = None
@@ -261,14 +270,6 @@ def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member]) -> Non
                 assert user.target is operator.getitem, user
                 user.args = (new, user.args[1])
         graph.erase_node(m.node)
-    _compat.stable_topological_sort(graph)
-
-
-def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    raise ValueError(node)
 
 
 def _fake_outputs(node: torch.fx.Node):

@@ -25,10 +25,10 @@ from .. import _compat
 from ..module_paths import module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import rms_norm as rms_norm_ops
+from . import prologue_calls
+from .prologue_calls import kv_prologue
 from .registry import Family, Reason, Variant
 from .spellings import FP8, act_quant
-
-_KV_DEFAULTS = dict(zip(kv_ops._ARG_NAMES, kv_ops.mla_kv_prologue_reference.__defaults__))
 
 aten = torch.ops.aten
 
@@ -200,10 +200,7 @@ def _fp8_replacement(variant: Variant, lowering: str):
         kwargs = {"q_c": x.reshape(-1, width), "q_weight": weight, "q_eps": eps,
                   "q_quant_group": FP8_GROUP, "q_ue8m0": ue8m0,
                   "round_before_quant": not _compat.JOINT_GRAPH_DROPS_ROUND_TRIPS}  # fmt: skip
-        if lowering == "inductor":
-            out = kv_ops.mla_kv_prologue_canonical(**kwargs)
-        else:
-            out = _compat.auto_functionalized(torch.ops.fusion_compiler.mla_kv_prologue.default, **{**_KV_DEFAULTS, **kwargs})
+        out = kv_prologue(lowering, **kwargs)
         return out[0].view(x.shape), out[1].view(*x.shape[:-1], width // FP8_GROUP)
 
     return replace_norm_fp8
@@ -294,5 +291,5 @@ FAMILY = Family(
     replacement=replacement,
     is_site=is_site,
     explain=explain,
-    source_modules=(__name__, rms_norm_ops.__name__, kv_ops.__name__),
+    source_modules=(__name__, rms_norm_ops.__name__, kv_ops.__name__, prologue_calls.__name__),
 )

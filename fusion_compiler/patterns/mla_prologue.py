@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from .. import _compat
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import mla_q_prologue as q_ops
-from . import add_rms_norm
-from .spellings import act_quant, as_bytes, write_rows
+from . import add_rms_norm, prologue_calls
+from .prologue_calls import kv_prologue, q_prologue
+from .spellings import FP8, act_quant, as_bytes, write_rows
 from .registry import Family, Reason, Variant
 
 aten = torch.ops.aten
@@ -47,7 +48,6 @@ _EPS = 1.2345e-6
 _LN_EPS = 2.3456e-6
 _HEAD_SCALE = 0.3456
 _DIM_SCALE = 0.4567
-FP8 = torch.float8_e4m3fn
 LATENT_GROUP = kv_ops.LATENT_GROUP
 
 # ------------------------------------------------------------------------------------------
@@ -358,22 +358,6 @@ def _tokens(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
-def _kv_op(lowering: str, **kwargs):
-    """The kv-side op's outputs then its new caches: the Triton op (functionalized), or for
-    lowering "inductor" the canonical decomposition, which returns the same tuple."""
-    if lowering == "inductor":
-        return kv_ops.mla_kv_prologue_canonical(**kwargs)
-    defaults = dict(zip(kv_ops._ARG_NAMES, kv_ops.mla_kv_prologue_reference.__defaults__))
-    return _compat.auto_functionalized(torch.ops.fusion_compiler.mla_kv_prologue.default, **{**defaults, **kwargs})
-
-
-def _q_op(lowering: str, **kwargs):
-    if lowering == "inductor":
-        return q_ops.mla_q_prologue_reference(**kwargs)  # plain torch, functional: Inductor fuses it
-    defaults = dict(zip(q_ops._ARG_NAMES, q_ops.mla_q_prologue_reference.__defaults__))
-    return torch.ops.fusion_compiler.mla_q_prologue(*({**defaults, **kwargs}[n] for n in q_ops._ARG_NAMES))
-
-
 def _half(t: torch.Tensor) -> torch.Tensor:
     """HF's NeoX cos/sin are cat(freqs, freqs): the per-pair angles are the first half."""
     return t[..., : t.shape[-1] // 2]
@@ -393,7 +377,7 @@ def _replace_kv_hf(p):
         rank, rot = weight.shape[0], 2 * cos.shape[-1]
         batch, seq = compressed_kv.shape[:2]
         flat = _tokens(compressed_kv, rank + rot)
-        out = _kv_op(
+        out = kv_prologue(
             p["lowering"],
             kv_c=flat[:, :rank], k_pe=flat[:, rank:], kv_weight=weight, kv_eps=eps,
             cos=_tokens(cos, rot // 2), sin=_tokens(sin, rot // 2), deinterleave_rope=True,
@@ -405,7 +389,7 @@ def _replace_kv_hf(p):
 
 def _replace_kv_cache(p):
     def replace(kv_c, k_pe, weight, cos, sin, cache, slots, eps):
-        out = _kv_op(
+        out = kv_prologue(
             p["lowering"],
             kv_c=kv_c, k_pe=k_pe, kv_weight=weight, kv_eps=eps, cos=cos, sin=sin, slots=slots,
             latent_cache=cache, cache_ue8m0=p["ue8m0"], return_kv=False,
@@ -419,7 +403,7 @@ def _replace_kv_cache(p):
 def _replace_index_k_hf(p):
     def replace(k, weight, bias, cos, sin, ln_eps):
         half = cos.shape[-1] // 2
-        out = _kv_op(
+        out = kv_prologue(
             p["lowering"],
             index_k=_tokens(k, k.shape[-1]), index_k_weight=weight, index_k_bias=bias, index_k_eps=ln_eps,
             cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half),
@@ -431,7 +415,7 @@ def _replace_index_k_hf(p):
 
 def _replace_index_k_cache(p):
     def replace(k, weight, bias, cos, sin, cache, slots, ln_eps):
-        out = _kv_op(
+        out = kv_prologue(
             p["lowering"],
             index_k=k, index_k_weight=weight, index_k_bias=bias, index_k_eps=ln_eps, cos=cos, sin=sin,
             slots=slots, index_cache=cache, cache_ue8m0=p["ue8m0"], return_index_k=False,
@@ -445,7 +429,7 @@ def _replace_q_hf(p):
     def replace(q_pass, q_rot, cos, sin):
         batch, heads, seq, rot = q_rot.shape
         as_tokens = functools.partial(_heads_last, batch=batch, seq=seq, heads=heads)
-        out = _q_op(
+        out = q_prologue(
             p["lowering"],
             q_pe=as_tokens(q_rot), q_other=as_tokens(q_pass), deinterleave_rope=True,
             cos=_tokens(cos, rot // 2), sin=_tokens(sin, rot // 2),
@@ -463,7 +447,7 @@ def _heads_last(t, batch, seq, heads):
 def _replace_q_absorbed(p):
     def replace(q_other, q_pe, cos, sin):
         half = q_pe.shape[-1] // 2
-        out = _q_op(p["lowering"], q_pe=q_pe, q_other=q_other, cos=_tokens(cos, half), sin=_tokens(sin, half))
+        out = q_prologue(p["lowering"], q_pe=q_pe, q_other=q_other, cos=_tokens(cos, half), sin=_tokens(sin, half))
         return out[0]
 
     return replace
@@ -473,7 +457,7 @@ def _replace_index_q_hf(p):
     def replace(q, cos, sin):
         half = cos.shape[-1] // 2
         heads, dim = q.shape[-2], q.shape[-1]
-        out = _q_op(p["lowering"], index_q=q.reshape(-1, heads, dim), cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half))
+        out = q_prologue(p["lowering"], index_q=q.reshape(-1, heads, dim), cos=_tokens(_half(cos), half), sin=_tokens(_half(sin), half))
         return out[1].view(q.shape)
 
     return replace
@@ -482,7 +466,7 @@ def _replace_index_q_hf(p):
 def _replace_index_q_fp8(p):
     def replace(q, cos, sin, weights, head_scale, dim_scale):
         half = cos.shape[-1]
-        out = _q_op(
+        out = q_prologue(
             p["lowering"],
             index_q=q, index_weights=weights, index_weights_scale=head_scale * dim_scale, index_q_fp8=True,
             ue8m0=p["ue8m0"], cos=_tokens(cos, half), sin=_tokens(sin, half),
@@ -587,5 +571,5 @@ FAMILY = Family(
     facts_of=facts_of,
     is_site=is_site,
     explain=explain,
-    source_modules=(__name__, kv_ops.__name__, q_ops.__name__),
+    source_modules=(__name__, prologue_calls.__name__, kv_ops.__name__, q_ops.__name__),
 )

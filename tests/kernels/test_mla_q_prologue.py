@@ -14,26 +14,19 @@ few ulps (the GPU may contract ``w * scale * q_scale`` differently).
 from __future__ import annotations
 
 import contextlib
-import os
-
 import pytest
 import torch
 
-from kernel_fixtures import assert_fp8_close, assert_guards_untouched, poisoned
+from kernel_fixtures import DEVICE, FP8, HAS_CUDA, INT_VIEW, assert_fp8_close, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import mla_q_prologue as K  # noqa: E402
 from fusion_compiler.ops import mla_q_prologue as op  # noqa: E402
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-FP8 = torch.float8_e4m3fn
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def assert_bits_equal(out, ref, what):

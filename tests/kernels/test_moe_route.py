@@ -16,26 +16,22 @@ Weights: fp32 within 1e-6 relative, bf16/fp16 within one unit in the last place.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from kernel_fixtures import DEVICE, INT_VIEW, skip_unless_kernels_can_run
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
 from fusion_compiler.kernels import moe_route as K  # noqa: E402
 from fusion_compiler.ops.moe_route import _ARG_NAMES, GROUP_TOP, moe_route_reference  # noqa: E402
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 FP32_RTOL = 1e-6
-INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 TIE_VALUES = (0.0, 0.5, 1.25, 2.0)  # sigmoid / exp pair sums all distinct; exact in bf16
 TIE_BIAS = (0.0, 0.25)
 
