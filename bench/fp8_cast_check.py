@@ -24,6 +24,7 @@ def differing(x: torch.Tensor) -> tuple[int, list]:
     return int(bad.sum()), [(float(a), float(b), float(c)) for a, b, c in zip(x[bad][:5], y[bad][:5].float(), ref[bad][:5].float())]
 
 
+print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 codes = torch.arange(0, 126, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
 midpoints = (codes[:-1] + codes[1:]) / 2
 near = torch.cat([midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, 1e9)), torch.nextafter(midpoints, torch.zeros_like(midpoints))])

@@ -24,6 +24,11 @@ def bytes_differing(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def main() -> int:
+    import triton
+
+    from fusion_compiler.kernels import KERNEL_VERSIONS
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, kernels {KERNEL_VERSIONS['mla_prologue']}", flush=True)
     failures = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     table = torch.randn(8192, 64, device="cuda", generator=gen)
