@@ -130,3 +130,115 @@ def moe_route(logits, bias=None, *, top_k, n_group=1, topk_group=1, scoring="sig
     return torch.ops.fusion_compiler.moe_route(
         logits, bias, top_k, n_group, topk_group, SCORING[scoring], renormalize, float(renorm_eps), float(scale), weights_dtype
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Router GEMM + routing
+# ---------------------------------------------------------------------------------------------
+#
+#   fusion_compiler::moe_router(Tensor hidden, Tensor router_weight, <moe_route's routing args>,
+#                               ScalarType logits_dtype) -> (Tensor weights, Tensor ids, Tensor logits)
+#
+#   logits = F.linear(hidden.to(logits_dtype), router_weight.to(logits_dtype))   [T, E]
+#   weights, ids = moe_route(logits, ...)
+#
+# DeepSeek's router is an fp32 GEMM of bf16 operands (``F.linear(x.float(), w.float())``),
+# MiniMax's and Qwen's a bf16 GEMM. On CUDA, up to ``FUSED_GEMM_MAX_TOKENS`` tokens (2, from
+# measurements: kernels/moe_route.py) the GEMM runs inside the routing launch (one kernel, the
+# router weight read once); above it cuBLAS computes the logits (an fp32-output GEMM of the bf16
+# operands for DeepSeek, so no fp32 copy of the weight is made) and the routing kernel reads
+# them: two launches, but three kernels on the H200, where cuBLAS picks split-K (a GEMM and a
+# reduce) for these skinny shapes. Each operand's dtype
+# must widen exactly to logits_dtype (or be it). Summation order differs from cuBLAS's, so
+# logits agree to rounding, and ids wherever scores are not within that rounding of a tie.
+
+_ROUTER_SCHEMA = (
+    "(Tensor hidden, Tensor router_weight, Tensor? bias, int top_k, int n_group, int topk_group, int scoring, "
+    "bool renormalize, float renorm_eps, float scale, ScalarType weights_dtype, ScalarType logits_dtype) "
+    "-> (Tensor weights, Tensor ids, Tensor logits)"
+)
+_ROUTER_ARG_NAMES = ("hidden", "router_weight") + _ARG_NAMES[1:] + ("logits_dtype",)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _validate_router(hidden, router_weight, *routing_and_logits_dtype) -> None:
+    *routing, logits_dtype = routing_and_logits_dtype
+    if hidden.dim() != 2 or router_weight.dim() != 2 or hidden.shape[1] != router_weight.shape[1]:
+        raise ValueError(
+            f"hidden [tokens, H] and router_weight [experts, H] expected, got {tuple(hidden.shape)} "
+            f"and {tuple(router_weight.shape)}"
+        )
+    if logits_dtype not in _FLOATS:
+        raise ValueError(f"logits_dtype {logits_dtype} not supported")
+    for name, t in (("hidden", hidden), ("router_weight", router_weight)):
+        require_dtype(t, _FLOATS, name)
+        if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
+            raise ValueError(f"{name} {t.dtype} does not widen exactly to the {logits_dtype} logits")
+    logits = hidden.new_empty((hidden.shape[0], router_weight.shape[0]), dtype=logits_dtype, device="meta")
+    _validate(logits, *routing)
+
+
+def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    return torch.nn.functional.linear(hidden.to(logits_dtype), router_weight.to(logits_dtype))
+
+
+def moe_router_reference(hidden, router_weight, *routing_and_logits_dtype):
+    _validate_router(hidden, router_weight, *routing_and_logits_dtype)
+    *routing, logits_dtype = routing_and_logits_dtype
+    logits = router_logits(hidden, router_weight, logits_dtype)
+    weights, ids = moe_route_reference(logits, *routing)
+    return weights, ids, logits
+
+
+@torch.library.custom_op("fusion_compiler::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
+def _router_op(*args):
+    return moe_router_reference(*args)
+
+
+@_router_op.register_fake
+def _router_fake(*args):
+    _validate_router(*args)
+    named = dict(zip(_ROUTER_ARG_NAMES, args))
+    hidden, experts, top_k = named["hidden"], named["router_weight"].shape[0], named["top_k"]
+    return (
+        hidden.new_empty((hidden.shape[0], top_k), dtype=named["weights_dtype"]),
+        hidden.new_empty((hidden.shape[0], top_k), dtype=torch.int64),
+        hidden.new_empty((hidden.shape[0], experts), dtype=named["logits_dtype"]),
+    )
+
+
+def _cublas_logits(hidden, router_weight, logits_dtype):
+    """cuBLAS logits; bf16/fp16 operands into fp32 logits as one fp32-output GEMM."""
+    if hidden.dtype == router_weight.dtype != logits_dtype:
+        return torch.mm(hidden, router_weight.t(), out_dtype=logits_dtype)
+    return router_logits(hidden, router_weight, logits_dtype)
+
+
+@_router_op.register_kernel("cuda")
+def _router_cuda(*args):
+    from fusion_compiler.kernels.moe_route import FUSED_GEMM_MAX_TOKENS, moe_route_fwd, moe_router_fwd
+
+    _validate_router(*args)
+    named = dict(zip(_ROUTER_ARG_NAMES, args))
+    hidden, router_weight = named["hidden"], named["router_weight"]
+    tokens, experts, top_k = hidden.shape[0], router_weight.shape[0], named["top_k"]
+    weights = torch.empty((tokens, top_k), dtype=named["weights_dtype"], device=hidden.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
+    if 1 <= tokens <= FUSED_GEMM_MAX_TOKENS:
+        logits = torch.empty((tokens, experts), dtype=named["logits_dtype"], device=hidden.device)
+        unit = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight)]
+        moe_router_fwd(named, *unit, logits, weights, ids)
+    else:
+        logits = _cublas_logits(hidden, router_weight, named["logits_dtype"])
+        moe_route_fwd({**named, "logits": logits}, weights, ids)
+    return weights, ids, logits
+
+
+def moe_router(hidden, router_weight, bias=None, *, top_k, n_group=1, topk_group=1, scoring="sigmoid",
+               renormalize=True, renorm_eps=0.0, scale=1.0, weights_dtype=torch.float32, logits_dtype=None):  # fmt: skip
+    """Keyword front end of ``torch.ops.fusion_compiler.moe_router`` (logits_dtype: the router
+    weight's dtype when not given)."""
+    return torch.ops.fusion_compiler.moe_router(
+        hidden, router_weight, bias, top_k, n_group, topk_group, SCORING[scoring], renormalize, float(renorm_eps),
+        float(scale), weights_dtype, logits_dtype or router_weight.dtype,
+    )

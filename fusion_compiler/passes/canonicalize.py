@@ -6,9 +6,16 @@ code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
 `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
 their argument lists. Without this, a pattern silently matches one spelling and misses the
 other. Pattern traces go through the same rewrite (patterns/registry.py).
+
+One rewrite is device-specific: on CUDA, Inductor turns every softmax into its online form
+(``prims.prepare_softmax_online`` giving max and sum) before our pass runs; a router's softmax
+(one whose probabilities feed a top-k) goes back to the plain amax/exp/sum form the patterns
+are traced in. Other softmaxes keep the online form.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -20,10 +27,14 @@ _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Returns the number of nodes rewritten."""
     changed = 0
+    online = _online_softmax_op()
+    online_softmaxes = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target is aten.add.Scalar and len(node.args) == 2 and not node.kwargs:
+        if online is not None and node.target is online:
+            online_softmaxes.append(node)
+        elif node.target is aten.add.Scalar and len(node.args) == 2 and not node.kwargs:
             node.target = aten.add.Tensor
             changed += 1
         elif node.target in _REDUCTIONS and len(node.args) > 1:
@@ -37,7 +48,42 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             node.args = ([], node.args[0])
             node.kwargs = {**node.kwargs, "pin_memory": False}
             changed += 1
+    for node in online_softmaxes:
+        changed += _plain_router_softmax(node)
     return changed
+
+
+def _online_softmax_op():
+    prims = torch.ops.prims
+    return prims.prepare_softmax_online.default if hasattr(prims, "prepare_softmax_online") else None
+
+
+def _plain_router_softmax(node: torch.fx.Node) -> int:
+    """(max, sum) = prepare_softmax_online(x, dim); exp(x - max) / sum -> topk  becomes
+    amax(x, [dim], True); e = exp(x - amax); e / sum(e, [dim], True) -> topk."""
+    x, dim = node.args[:2]
+    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    if len(items) != len(node.users) or set(items) != {0, 1}:
+        return 0
+    top, total = items[0], items[1]
+    sub = next((u for u in top.users if u.target is aten.sub.Tensor and u.args == (x, top)), None)
+    exp = next((u for u in sub.users if u.target is aten.exp.default), None) if sub is not None else None
+    probs = [u for u in total.users if u.target is aten.div.Tensor and u.args == (exp, total)]
+    if exp is None or not any(v.target is aten.topk.default for p in probs for v in p.users):
+        return 0
+    graph = node.graph
+    with graph.inserting_before(sub):
+        amax = graph.call_function(aten.amax.default, (x, [dim], True))
+    with graph.inserting_after(exp):
+        summed = graph.call_function(aten.sum.dim_IntList, (exp, [dim], True))
+    amax.meta, summed.meta = dict(top.meta), dict(total.meta)
+    top.replace_all_uses_with(amax)
+    total.replace_all_uses_with(summed)
+    for dead in (top, total, node):
+        graph.erase_node(dead)
+    _negative_dims(amax)
+    _negative_dims(summed)
+    return 1
 
 
 def _full_topk(node: torch.fx.Node) -> int:

@@ -13,13 +13,18 @@ Variants are the routing math as real code writes it, keyed on the math, not on 
   groups kept (the others masked to -inf), top-k, unbiased weights renormalised with
   ``+ renorm_eps`` (HF 1e-20) and scaled by ``routed_scaling_factor``.
 
-The router GEMM stays outside the pattern (cuBLAS); the GEMM-fused lowering for few tokens is
-issue 4's next step.
+Each routing math comes twice: with the router GEMM in front (``F.linear`` of the hidden
+states and the router weight, as an fp32 GEMM of upcast operands like DeepSeek's, or in the
+weight's dtype like MiniMax's and Qwen's), replaced by ``moe_router`` (GEMM + routing, one
+launch at few tokens), and from the logits, replaced by ``moe_route``. The GEMM forms are
+tried first; a router whose logits are also used elsewhere (returned, or fed to an aux loss)
+fails them, because the logits would have to stay, and fuses from its logits instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,8 +43,10 @@ _N_GROUP, _TOPK_GROUP = 1103, 1031
 _GROUPED_EXPERTS = 2 * _N_GROUP
 _EXPERTS = 2 * _TOP_K
 _TOKENS = 2
+_HIDDEN = 1117
 _RENORM_EPS = 1.2345e-21
 _SCALE = 2.3456
+_SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE}
 
 
 def sigmoid_bias(logits, bias, top_k):
@@ -71,25 +78,66 @@ def softmax(logits, top_k):
     return values.to(logits.dtype), ids
 
 
-VARIANTS = (
-    Variant("sigmoid_bias_grouped", sigmoid_bias_grouped, {"scoring": "sigmoid", "grouped": True}),
-    Variant("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
-    Variant("softmax", softmax, {"scoring": "softmax"}),
+def fp32_gemm(hidden, router_weight):
+    return torch.nn.functional.linear(hidden.float(), router_weight.float())
+
+
+def gemm(hidden, router_weight):
+    return torch.nn.functional.linear(hidden, router_weight)
+
+
+GEMMS: dict[str, Callable] = {"fp32_gemm": fp32_gemm, "gemm": gemm}
+
+
+def _with_router_gemm(route: Callable, router_gemm: Callable) -> Callable:
+    """``route`` with its logits computed by ``router_gemm`` from (hidden, router_weight)."""
+
+    def search(hidden, router_weight, *route_args):
+        return route(router_gemm(hidden, router_weight), *route_args)
+
+    # Inductor reads the pattern's argument names from the signature.
+    params = list(inspect.signature(route).parameters.values())[1:]
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    search.__signature__ = inspect.Signature(
+        [inspect.Parameter("hidden", positional), inspect.Parameter("router_weight", positional), *params]
+    )
+    return search
+
+
+ROUTES = (
+    ("sigmoid_bias_grouped", sigmoid_bias_grouped, {"scoring": "sigmoid", "grouped": True}),
+    ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
+    ("softmax", softmax, {"scoring": "softmax"}),
 )
+# GEMM forms first: registration order is the order Inductor tries patterns at a node.
+VARIANTS = tuple(
+    Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
+    for g in GEMMS
+    for name, route, params in ROUTES
+) + tuple(Variant(name, route, params) for name, route, params in ROUTES)
 DTYPE_COMBOS = ((torch.bfloat16,), (torch.float32,), (torch.float16,))
 
 
+def _logits_dtype(variant: Variant, operand_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if variant.params.get("gemm") == "fp32_gemm" else operand_dtype
+
+
 def example_inputs(variant: Variant, combo) -> list:
-    (dtype,) = combo
-    if variant.params.get("grouped"):
-        if dtype != torch.float32:
-            return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM)
-        logits = torch.randn(_TOKENS, _GROUPED_EXPERTS, dtype=dtype)
-        return [logits, torch.randn(_GROUPED_EXPERTS), _TOP_K, _N_GROUP, _TOPK_GROUP, _RENORM_EPS, _SCALE]
-    logits = torch.randn(3, _EXPERTS, dtype=dtype)
+    (dtype,) = combo  # the logits' dtype, or the GEMM operands' with a GEMM form
+    grouped = variant.params.get("grouped")
+    if grouped and _logits_dtype(variant, dtype) != torch.float32:
+        return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM)
+    experts = _GROUPED_EXPERTS if grouped else _EXPERTS
+    tokens = _TOKENS if grouped else 3
+    if variant.params.get("gemm"):
+        head = [torch.randn(tokens, _HIDDEN, dtype=dtype), torch.randn(experts, _HIDDEN, dtype=dtype)]
+    else:
+        head = [torch.randn(tokens, experts, dtype=dtype)]
+    if grouped:
+        return head + [torch.randn(experts), _TOP_K, _N_GROUP, _TOPK_GROUP, _RENORM_EPS, _SCALE]
     if variant.params["scoring"] == "sigmoid":
-        return [logits, torch.randn(_EXPERTS), _TOP_K]
-    return [logits, _TOP_K]
+        return head + [torch.randn(experts), _TOP_K]
+    return head + [_TOP_K]
 
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,6 +160,12 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
     for node in nodes:
         if node.op != "call_function":
             continue
+        constant = next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+        sources = {getattr(a, "target", None) for a in node.args if isinstance(a, torch.fx.Node)}
+        if node.target is aten.add.Tensor and aten.sum.dim_IntList in sources and constant is not None:
+            facts["graph_renorm_eps"] = constant  # w / (w.sum() + eps)
+        elif node.target is aten.mul.Tensor and aten.div.Tensor in sources and constant is not None:
+            facts["graph_scale"] = constant  # (w / ...) * scale
         elif node.target in (aten.sum.dim_IntList, aten.amax.default):
             facts["reduce_dims"].add(tuple(node.args[1]))
         elif node.target is aten.gather.default:
@@ -120,10 +174,19 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
 
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
-    logits = values["logits"]
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        return f"logits are not [tokens, experts] (got {getattr(logits, 'shape', logits)})"
-    experts = logits.shape[-1]
+    # torch 2.11 hands the guard the re-traced match, whose scalars are literals, not kwargs:
+    # there the graph's own constants stand in (the re-traced pattern matched them already).
+    values = {**{name: values.get(f"graph_{name}") for name in _SCALARS}, **values}
+    if variant.params.get("gemm"):
+        reason = _gemm_reason(values, variant)
+        if reason:
+            return reason
+        experts = values["router_weight"].shape[0]
+    else:
+        logits = values["logits"]
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            return f"logits are not [tokens, experts] (got {getattr(logits, 'shape', logits)})"
+        experts = logits.shape[-1]
     top_k = values.get("top_k")
     if not isinstance(top_k, int) or isinstance(top_k, bool):
         return f"top_k is not a constant int (got {top_k})"
@@ -145,6 +208,21 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
             return f"the bias is {tuple(getattr(bias, 'shape', ()))}, not one value per expert [{experts}]"
         if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the bias is {bias.dtype}, not a float type"
+    return None
+
+
+def _gemm_reason(values, variant: Variant) -> Reason:
+    hidden, weight = values.get("hidden"), values.get("router_weight")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (hidden, weight)):
+        return "the router GEMM's operands are not a [tokens, hidden] input and an [experts, hidden] weight"
+    if hidden.shape[1] != weight.shape[1]:
+        return f"router GEMM of {tuple(hidden.shape)} by {tuple(weight.shape)}^T"
+    logits_dtype = _logits_dtype(variant, weight.dtype)
+    for name, t in (("hidden", hidden), ("router_weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the router GEMM's {name} is {t.dtype}"
+        if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
+            return f"the router GEMM's {name} ({t.dtype}) does not widen exactly to the {logits_dtype} logits"
     return None
 
 
@@ -173,27 +251,44 @@ def _group_reason(values, experts: int, top_k: int) -> Reason:
     return None
 
 
+def _grouped_args(logits_dtype, bias, top_k, n_group, topk_group, renorm_eps, scale):
+    return (bias, top_k, n_group, topk_group, 0, True, float(renorm_eps), float(scale), torch.float32)
+
+
+def _sigmoid_args(logits_dtype, bias, top_k):
+    return (bias, top_k, 1, 1, 0, True, 0.0, 1.0, torch.float32)
+
+
+def _softmax_args(logits_dtype, top_k):
+    return (None, top_k, 1, 1, 1, True, 0.0, 1.0, logits_dtype)
+
+
 def replacement(variant: Variant, lowering: str):
-    route = route_ops.moe_route_reference if lowering == "inductor" else torch.ops.fusion_compiler.moe_route
     if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
+    inductor = lowering == "inductor"
+    route = route_ops.moe_route_reference if inductor else torch.ops.fusion_compiler.moe_route
+    router = route_ops.moe_router_reference if inductor else torch.ops.fusion_compiler.moe_router
     if variant.params.get("grouped"):
+        routing_args = _grouped_args
+    elif variant.params["scoring"] == "sigmoid":
+        routing_args = _sigmoid_args
+    else:
+        routing_args = _softmax_args
 
-        def replace_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
-            return route(logits, bias, top_k, n_group, topk_group, 0, True, float(renorm_eps), float(scale), torch.float32)
+    if variant.params.get("gemm"):
 
-        return replace_grouped
-    if variant.params["scoring"] == "sigmoid":
+        def replace_with_gemm(hidden, router_weight, *args):
+            logits_dtype = _logits_dtype(variant, router_weight.dtype)
+            weights, ids, _ = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype)
+            return weights, ids
 
-        def replace_sigmoid(logits, bias, top_k):
-            return route(logits, bias, top_k, 1, 1, 0, True, 0.0, 1.0, torch.float32)
+        return replace_with_gemm
 
-        return replace_sigmoid
+    def replace(logits, *args):
+        return route(logits, *routing_args(logits.dtype, *args))
 
-    def replace_softmax(logits, top_k):
-        return route(logits, None, top_k, 1, 1, 1, True, 0.0, 1.0, logits.dtype)
-
-    return replace_softmax
+    return replace
 
 
 def _scores_source(node) -> bool:
@@ -231,7 +326,7 @@ FAMILY = Family(
     variants=VARIANTS,
     dtype_combos=DTYPE_COMBOS,
     example_inputs=example_inputs,
-    scalars={"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE},
+    scalars=_SCALARS,
     guard=guard,
     replacement=replacement,
     facts_of=facts_of,

@@ -167,7 +167,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-1"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-3"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -265,3 +265,119 @@ def test_rejects_bad_outputs():
         K.moe_route_fwd(named, torch.empty(2, 3, device=DEVICE), ids64)
     with pytest.raises(ValueError):
         K.moe_route_fwd(named, torch.empty(2, 4, device=DEVICE), ids64.int())
+
+
+# ---------------------------------------------------------------------------------------------
+# Router GEMM fused into the routing launch (moe_router_fwd, <= MAX_FUSED_TOKENS tokens)
+# ---------------------------------------------------------------------------------------------
+#
+# hidden and router weight hold small multiples of 1/8, so every product and partial sum is
+# exact in fp32: the logits do not depend on summation order, and the kernel's must equal
+# F.linear's bit for bit (rounded to bf16 the same way when the logits are bf16).  Duplicated
+# weight rows make exactly tied experts; ties go to the lower index on both sides.
+
+from fusion_compiler.ops.moe_route import _ROUTER_ARG_NAMES, moe_router_reference  # noqa: E402
+
+
+def router_args(c: dict, hidden_size: int, duplicate_rows: bool) -> tuple:
+    gen = torch.Generator().manual_seed(c["seed"])
+    t, e = c["tokens"], c["experts"]
+    hidden = torch.randint(-3, 4, (t, hidden_size), generator=gen).float() / 8
+    if duplicate_rows:
+        weight = (torch.randint(-3, 4, (4, hidden_size), generator=gen).float() / 8)[torch.randint(0, 4, (e,), generator=gen)]
+    else:
+        weight = torch.randint(-3, 4, (e, hidden_size), generator=gen).float() / 8
+    bias = None
+    if c["has_bias"]:
+        per = 1 if c["n_group"] == 1 or not duplicate_rows else e // c["n_group"]
+        bias = (torch.rand(e // per, generator=gen) * 0.1).repeat_interleave(per)
+        if duplicate_rows:
+            bias = torch.tensor(TIE_BIAS)[torch.randint(0, len(TIE_BIAS), (e // per,), generator=gen)].repeat_interleave(per)
+    in_dtype = torch.bfloat16 if c["logits_dtype"] == torch.float32 else c["logits_dtype"]
+    return (hidden.to(in_dtype).to(DEVICE), weight.to(in_dtype).to(DEVICE), None if bias is None else bias.to(DEVICE),
+            c["top_k"], c["n_group"], c["topk_group"], c["scoring"], c["renormalize"], c["renorm_eps"], c["scale"],
+            c["weights_dtype"], c["logits_dtype"])
+
+
+def run_router_kernel(args: tuple):
+    named = dict(zip(_ROUTER_ARG_NAMES, args))
+    hidden, weight = named["hidden"], named["router_weight"]
+    t, e, k = hidden.shape[0], weight.shape[0], named["top_k"]
+    lbuf = torch.full((t + 2, e), float("nan"), dtype=named["logits_dtype"], device=DEVICE)
+    wbuf = torch.full((t + 2, k), float("nan"), dtype=named["weights_dtype"], device=DEVICE)
+    ibuf = torch.full((t + 2, k), -1, dtype=torch.int64, device=DEVICE)
+    K.moe_router_fwd(named, hidden, weight, lbuf[1 : t + 1], wbuf[1 : t + 1], ibuf[1 : t + 1])
+    for buf in (lbuf, wbuf):
+        assert torch.isnan(buf[0]).all() and torch.isnan(buf[-1]).all(), "written out of bounds"
+    assert (ibuf[0] == -1).all() and (ibuf[-1] == -1).all(), "ids written out of bounds"
+    return wbuf[1 : t + 1], ibuf[1 : t + 1], lbuf[1 : t + 1]
+
+
+def assert_router_matches_reference(args: tuple):
+    weights, ids, logits = run_router_kernel(args)
+    ref_w, ref_ids, ref_logits = moe_router_reference(*args)
+    assert torch.equal(logits.cpu(), ref_logits.cpu()), "logits differ from F.linear's (exact inputs)"
+    assert torch.equal(ids.cpu(), ref_ids.cpu()), f"ids differ:\n{ids}\nvs reference\n{ref_ids}"
+    if weights.dtype == torch.float32:
+        torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=FP32_RTOL, atol=1e-30)
+    else:
+        ulps = (weights.cpu().view(INT_VIEW[weights.dtype]).int() - ref_w.cpu().view(INT_VIEW[ref_w.dtype]).int()).abs()
+        assert (ulps <= 1).all()
+
+
+@st.composite
+def router_configs(draw):
+    c = draw(configs())
+    c["tokens"] = draw(st.integers(1, K.MAX_FUSED_TOKENS))
+    c["hidden_size"] = draw(st.sampled_from([8, 48, 100, 300]))
+    return c
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(c=router_configs())
+def test_router_gemm_tie_free_matches_reference(c):
+    args = router_args(c, c["hidden_size"], duplicate_rows=False)
+    _, _, ref_logits = moe_router_reference(*args)
+    assume(ranking_gaps_ok((ref_logits,) + args[2:8]))
+    assert_router_matches_reference(args)
+
+
+@settings(max_examples=8, deadline=None)
+@given(c=router_configs())
+def test_router_gemm_tie_heavy_matches_reference(c):
+    assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True))
+
+
+def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
+    """DeepSeek's routing (256 experts, 8 groups, top-4 groups, top-8) on a narrow hidden, run
+    twice on one counter: the last program must leave it at zero for the next launch."""
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(K, "_done_counter", lambda device: counter)
+    c = dict(tokens=3, experts=256, n_group=8, topk_group=4, top_k=8, scoring=0, has_bias=True, renormalize=True,
+             renorm_eps=1e-20, scale=2.5, logits_dtype=torch.float32, weights_dtype=torch.float32, seed=11)
+    for seed in (11, 12):
+        args = router_args({**c, "seed": seed}, 64, duplicate_rows=False)
+        assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
+        assert_router_matches_reference(args)
+        assert counter.item() == 0
+
+
+def test_router_gemm_rejects_what_it_cannot_do():
+    hidden = torch.zeros(17, 8, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.zeros(16, 8, dtype=torch.bfloat16, device=DEVICE)
+    named = dict(zip(_ROUTER_ARG_NAMES, (hidden, weight, None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32, torch.float32)))
+    out = (torch.empty(17, 16, device=DEVICE), torch.empty(17, 4, device=DEVICE), torch.empty(17, 4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        K.moe_router_fwd(named, hidden, weight, *out)
+    # fp32 operands cannot feed bf16 logits without a rounding the kernel does not do
+    with pytest.raises(ValueError, match="widen"):
+        K.moe_router_fwd(named, hidden[:4].float(), weight.float(), torch.empty(4, 16, dtype=torch.bfloat16, device=DEVICE),
+                         out[1][:4], out[2][:4])
+
+
+def test_router_gemm_many_hidden_chunks(monkeypatch):
+    """Many hidden chunks (5 of 64 for 300): the masked tail chunk and the accumulation across chunks."""
+    monkeypatch.setattr(K, "gemm_launch_config", lambda tokens, experts, hidden: (1 << (tokens - 1).bit_length(), 2, 64, 4))
+    c = dict(tokens=5, experts=32, n_group=4, topk_group=2, top_k=6, scoring=1, has_bias=True, renormalize=True,
+             renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=3)
+    assert_router_matches_reference(router_args(c, 300, duplicate_rows=True))  # 5 chunks of 64

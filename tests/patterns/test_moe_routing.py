@@ -46,6 +46,8 @@ def test_hf_router_fuses_and_routes_like_eager(name, variant):
     torch._dynamo.reset()
     with torch.no_grad():
         _, w_e, ids_e = gate(*args)
+        # The gate returns its logits: they must stay, so the GEMM form cannot match and the
+        # routing fuses from the logits.
         _, w_f, ids_f = torch.compile(gate, backend=backend)(*args)
     assert backend.report.per_variant() == {variant: 1}
     assert w_f.dtype == w_e.dtype and ids_f.dtype == ids_e.dtype
@@ -69,7 +71,36 @@ def test_every_router_of_the_model_fuses(name):
     report = backend.report
     assert report.missing_expected() == []
     assert report.per_module(FAMILY) == expected[FAMILY]
+    # The MoE block drops the router logits, so every router fuses with its GEMM.
+    gemm_form = {"deepseek-v3.2": "sigmoid_bias_grouped+fp32_gemm", "minimax-m2.5": "sigmoid_bias+gemm", "qwen3.5": "softmax+gemm"}
+    from fusion_compiler.patterns.moe_routing import VARIANTS
+
+    routing_variants = {v.name for v in VARIANTS}
+    fused_routers = {v: n for v, n in report.per_variant().items() if v in routing_variants}
+    assert fused_routers == {gemm_form[name]: adapter.default_layers}
     assert relative_error(fused, eager) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "name, variant",
+    [("minimax-m2.5", "sigmoid_bias+gemm"), ("qwen3.5", "softmax+gemm"), ("deepseek-v3.2", "sigmoid_bias_grouped+fp32_gemm")],
+)
+def test_hf_router_without_its_logits_fuses_its_gemm(name, variant):
+    model = get_adapter(name).build_hf(size="tiny", layers=1 if name != "qwen3.5" else 4, dtype=torch.bfloat16)
+    moe = model.model.layers[0].mlp
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.bfloat16)
+    extra = (moe.e_score_correction_bias,) if hasattr(moe, "e_score_correction_bias") else ()
+
+    def route(x):
+        return moe.gate(x, *extra)[1:]
+
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = route(hidden)
+        fused = torch.compile(route, backend=backend)(hidden)
+    assert backend.report.per_variant() == {variant: 1}
+    _assert_same_routing(fused, eager)
 
 
 def test_grouped_routing_reads_its_constants_from_the_graph():
@@ -132,7 +163,7 @@ def test_top_k_beyond_the_unmasked_experts_does_not_match():
 
 def test_grouped_router_within_the_unmasked_experts_matches():
     report, eager, fused = _compile_router(GroupedRouter(topk_group=2, top_k=6))
-    assert report.per_variant() == {"sigmoid_bias_grouped": 1}
+    assert report.per_variant() == {"sigmoid_bias_grouped+fp32_gemm": 1}  # fp32 model: its GEMM needs no casts
     _assert_same_routing(fused, eager)
 
 
@@ -175,7 +206,7 @@ class Router(torch.nn.Module):
         return weights / weights.sum(-1, keepdim=True), ids
 
 
-@pytest.mark.parametrize("spelling, variants", [("sigmoid_bias", {"sigmoid_bias": 1}), ("softmax_with_bias", {}), ("bias_after_gather", {})])
+@pytest.mark.parametrize("spelling, variants", [("sigmoid_bias", {"sigmoid_bias+fp32_gemm": 1}), ("softmax_with_bias", {}), ("bias_after_gather", {})])
 def test_near_misses_do_not_match(spelling, variants):
     report, eager, fused = _compile_router(Router(spelling))
     assert report.per_variant() == variants
@@ -183,3 +214,44 @@ def test_near_misses_do_not_match(spelling, variants):
         [miss] = report.misses(FAMILY)
         assert miss.reason
     _assert_same_routing(fused, eager)
+
+
+class OnlineSoftmaxRouter(torch.nn.Module):
+    """Qwen's routing as a CUDA graph reaches our pass: Inductor has already turned the softmax
+    into its online form (prims.prepare_softmax_online), which CPU graphs never show."""
+
+    def __init__(self, experts=16, hidden=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        top, total = torch.ops.prims.prepare_softmax_online(logits, 1)
+        probs = torch.exp(logits - top) / total
+        values, ids = torch.topk(probs, 4, dim=-1)
+        return values / values.sum(-1, keepdim=True), ids
+
+
+def test_online_softmax_of_a_router_fuses():
+    import torch._inductor.inductor_prims  # noqa: F401 - registers prepare_softmax_online
+
+    report, eager, fused = _compile_router(OnlineSoftmaxRouter())
+    assert report.per_variant() == {"softmax+fp32_gemm": 1}  # fp32 model: its GEMM needs no casts
+    _assert_same_routing(fused, eager)
+
+
+def test_online_softmax_without_a_top_k_keeps_its_online_form():
+    import torch._inductor.inductor_prims  # noqa: F401
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusion_compiler.passes.canonicalize import canonicalize
+
+    def attention_like(scores, v):
+        top, total = torch.ops.prims.prepare_softmax_online(scores, 1)
+        return (torch.exp(scores - top) / total) @ v
+
+    gm = make_fx(attention_like)(torch.randn(4, 8), torch.randn(8, 3))
+    canonicalize(gm.graph)
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.prims.prepare_softmax_online.default in targets
+    assert torch.ops.aten.amax.default not in targets

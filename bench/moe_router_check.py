@@ -1,0 +1,183 @@
+"""The GEMM-fused router launch at real widths on the GPU: correctness, where to split between
+it and cuBLAS + the routing kernel, and its launch shape.
+
+For DeepSeek V3.2 (7168 -> 256, 8 groups, fp32 logits), MiniMax-M2.5 (3072 -> 256, bf16 logits)
+and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
+
+  check   the op on CUDA against ``moe_router_reference`` (cuBLAS logits): logits relative
+          error; per token, ids equal to the reference's routing *of the kernel's own logits*
+          (so only ulp-level exp/sigmoid differences remain), and ids vs the cuBLAS-logits
+          reference as sets, with differing tokens classified by the score gap they straddle;
+  split   per token count 1..64, CUDA-graph µs of the fused launch and of cuBLAS + routing;
+  shape   the fused launch's (BLOCK_E, num_warps) alternatives at 1 and 16 tokens;
+  cublas  above the split: kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T
+          and as (W @ h^T)^T (cuBLAS picks split-K, two kernels, for some skinny shapes);
+  warps   the routing kernel's num_warps at 64 tokens.
+
+    python bench/moe_router_check.py --out bench/results/moe_router_check_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from fusion_compiler.kernels import moe_route as K  # noqa: E402
+from fusion_compiler.ops import moe_route as ops  # noqa: E402
+
+MODELS = {
+    # name: (hidden, experts, routing args after bias (top_k .. weights_dtype), logits dtype)
+    "deepseek-v3.2": (7168, 256, (8, 8, 4, 0, True, 1e-20, 2.5, torch.float32), torch.float32),
+    "minimax-m2.5": (3072, 256, (8, 1, 1, 0, True, 0.0, 1.0, torch.float32), torch.bfloat16),
+    "qwen3.5": (4096, 512, (10, 1, 1, 1, True, 0.0, 1.0, torch.bfloat16), torch.bfloat16),
+}
+SPLIT_TOKENS = (1, 2, 4, 8, 16)
+SHAPES = ((1, 4), (1, 8), (2, 4))  # (BLOCK_E, num_warps)
+
+
+def make_args(name: str, tokens: int, seed: int = 0):
+    hidden, experts, routing, logits_dtype = MODELS[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(experts, hidden, device="cuda", generator=gen) * hidden**-0.5).bfloat16()
+    bias = None if routing[3] == 1 else torch.randn(experts, device="cuda", generator=gen) * 0.01
+    return (x, w, bias, *routing, logits_dtype)
+
+
+def _fused(args):
+    named = dict(zip(ops._ROUTER_ARG_NAMES, args))
+    x, w = named["hidden"], named["router_weight"]
+    logits = torch.empty(x.shape[0], w.shape[0], dtype=named["logits_dtype"], device="cuda")
+    weights = torch.empty(x.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
+    ids = torch.empty(x.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
+    K.moe_router_fwd(named, x, w, logits, weights, ids)
+    return weights, ids, logits
+
+
+def _cublas(args):
+    named = dict(zip(ops._ROUTER_ARG_NAMES, args))
+    logits = ops._cublas_logits(named["hidden"], named["router_weight"], named["logits_dtype"])
+    weights = torch.empty(logits.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
+    ids = torch.empty(logits.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
+    K.moe_route_fwd({**named, "logits": logits}, weights, ids)
+    return weights, ids, logits
+
+
+def _cublas_transposed(args):
+    named = dict(zip(ops._ROUTER_ARG_NAMES, args))
+    h, w, ldt = named["hidden"], named["router_weight"], named["logits_dtype"]
+    logits = (torch.mm(w, h.t(), out_dtype=ldt) if h.dtype != ldt else torch.mm(w, h.t())).t()
+    weights = torch.empty(logits.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
+    ids = torch.empty(logits.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
+    K.moe_route_fwd({**named, "logits": logits}, weights, ids)
+    return weights, ids, logits
+
+
+def check(name: str, tokens: int) -> dict:
+    args = make_args(name, tokens, seed=tokens)
+    weights, ids, logits = torch.ops.fusion_compiler.moe_router(*args)
+    x, w = args[0], args[1]
+    exact = (x.double() @ w.double().t())
+    routing = args[2:-1]
+    own_w, own_ids = ops.moe_route_reference(logits, *routing)
+    ref_w, ref_ids, ref_logits = ops.moe_router_reference(*args)
+    same_set = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
+    return {
+        "tokens": tokens,
+        "logits_rel_err_vs_fp64": (logits.double() - exact).norm().item() / exact.norm().item(),
+        "cublas_logits_rel_err_vs_fp64": (ref_logits.double() - exact).norm().item() / exact.norm().item(),
+        "tokens_ids_equal_routing_of_own_logits": int((ids == own_ids).all(-1).sum()),
+        "weights_max_rel_err_vs_routing_of_own_logits": ((weights.float() - own_w.float()).abs() / own_w.float().abs()).max().item(),
+        "tokens_same_set_as_cublas_reference": int(same_set.sum()),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="check,split,shape,cublas,warps")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    result = {"facts": common.device_facts(), "kernel_version": K.KERNEL_VERSION, "models": {}}
+    for name in MODELS:
+        row = result["models"][name] = {"check": [check(name, t) for t in (1, 5, 16, 64)] if "check" in parts else []}
+        for c in row["check"]:
+            print(name, c, flush=True)
+        split = []
+        for t in SPLIT_TOKENS if "split" in parts else ():
+            a = make_args(name, t)
+            entry = {"tokens": t, "fused_us": common.graph_time_us(lambda i: _fused(a), 1),
+                     "cublas_plus_route_us": common.graph_time_us(lambda i: _cublas(a), 1)}
+            split.append(entry)
+            print(name, entry, flush=True)
+        row["split"] = split
+        shapes = []
+        saved = K.gemm_launch_config
+        for t in (1, 16) if "shape" in parts else ():
+            a = make_args(name, t)
+            for block_e, warps in SHAPES:
+                def config(tokens, experts, hidden, _be=block_e, _w=warps):
+                    t_pad = saved(tokens, experts, hidden)[0]
+                    return t_pad, _be, max(64, min(triton_pow2(hidden), 8192 // (t_pad * _be))), _w
+
+                K.gemm_launch_config = config
+                try:
+                    us = common.graph_time_us(lambda i: _fused(a), 1)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    us = f"{type(e).__name__}: {e}"[:200]
+                finally:
+                    K.gemm_launch_config = saved
+                shapes.append({"tokens": t, "block_e": block_e, "num_warps": warps, "us": us})
+                print(name, shapes[-1], flush=True)
+        row["shapes"] = shapes
+        from fusion_compiler.inspect.counting import count_cuda_kernels
+
+        cublas = []
+        for t in (32, 64, 128, 256) if "cublas" in parts else ():
+            a = make_args(name, t)
+            for label, fn in (("h_wT", _cublas), ("w_hT_T", _cublas_transposed)):
+                ref = _cublas(a)
+                got = fn(a)
+                entry = {"tokens": t, "gemm": label, "kernels": count_cuda_kernels(lambda: fn(a)).count,
+                         "us": common.graph_time_us(lambda i: fn(a), 1),
+                         "ids_equal_to_h_wT": bool(torch.equal(got[1], ref[1]))}
+                cublas.append(entry)
+                print(name, entry, flush=True)
+        row["cublas"] = cublas
+        warps = []
+        saved_config = K.launch_config
+        a = make_args(name, 64)
+        logits = _cublas(a)[2]
+        named = dict(zip(ops._ROUTER_ARG_NAMES, a))
+        for nw in (1, 2, 4, 8) if "warps" in parts else ():
+            K.launch_config = lambda *c, _nw=nw: (*saved_config(*c)[:3], _nw)
+            wts = torch.empty(64, named["top_k"], dtype=named["weights_dtype"], device="cuda")
+            ids = torch.empty(64, named["top_k"], dtype=torch.int64, device="cuda")
+            try:
+                us = common.graph_time_us(lambda i: K.moe_route_fwd({**named, "logits": logits}, wts, ids), 1)
+            finally:
+                K.launch_config = saved_config
+            warps.append({"tokens": 64, "num_warps": nw, "us": us})
+            print(name, warps[-1], flush=True)
+        row["route_warps"] = warps
+        floor = torch.empty_like(make_args(name, 1)[1])
+        src = make_args(name, 1)[1]
+        row["floor_copy_router_weight_us"] = common.graph_time_us(lambda i: floor.copy_(src), 1)
+        print(name, "floor", row["floor_copy_router_weight_us"], flush=True)
+    common.write_json(args.out, result)
+
+
+def triton_pow2(n: int) -> int:
+    import triton
+
+    return triton.next_power_of_2(n)
+
+
+if __name__ == "__main__":
+    main()
