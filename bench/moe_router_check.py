@@ -8,10 +8,12 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
           error; per token, ids equal to the reference's routing *of the kernel's own logits*
           (so only ulp-level exp/sigmoid differences remain), and ids vs the cuBLAS-logits
           reference as sets, with differing tokens classified by the score gap they straddle;
-  split   per token count 1..64, CUDA-graph µs of the fused launch and of cuBLAS + routing;
-  shape   the fused launch's (BLOCK_E, num_warps) alternatives at 1 and 16 tokens;
-  cublas  above the split: kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T
-          and as (W @ h^T)^T (cuBLAS picks split-K, two kernels, for some skinny shapes);
+  split   per token count 1..256, kernels and CUDA-graph µs of ours (one launch up to
+          FUSED_GEMM_MAX_TOKENS, else GEMM + routing), of ours forced to two launches, and of
+          cuBLAS + the routing kernel;
+  shape   the GEMM launch's program target / split cap alternatives at 1 and 16 tokens;
+  cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
+          (W @ h^T)^T (cuBLAS picks split-K, two kernels, for these skinny shapes);
   warps   the routing kernel's num_warps at 64 tokens.
 
     python bench/moe_router_check.py --out bench/results/moe_router_check_h200.json
@@ -37,8 +39,8 @@ MODELS = {
     "minimax-m2.5": (3072, 256, (8, 1, 1, 0, True, 0.0, 1.0, torch.float32), torch.bfloat16),
     "qwen3.5": (4096, 512, (10, 1, 1, 1, True, 0.0, 1.0, torch.bfloat16), torch.bfloat16),
 }
-SPLIT_TOKENS = (1, 2, 4, 8, 16)
-SHAPES = ((1, 4), (1, 8), (2, 4))  # (BLOCK_E, num_warps)
+SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
+SHAPES = ((128, 8), (256, 16), (64, 4), (128, 4))  # (_TARGET_PROGRAMS, _MAX_SPLIT)
 
 
 def make_args(name: str, tokens: int, seed: int = 0):
@@ -60,9 +62,16 @@ def _fused(args):
     return weights, ids, logits
 
 
+def _cublas_logits(hidden, router_weight, logits_dtype):
+    """cuBLAS logits; bf16/fp16 operands into fp32 logits as one fp32-output GEMM."""
+    if hidden.dtype == router_weight.dtype != logits_dtype:
+        return torch.mm(hidden, router_weight.t(), out_dtype=logits_dtype)
+    return ops.router_logits(hidden, router_weight, logits_dtype)
+
+
 def _cublas(args):
     named = dict(zip(ops._ROUTER_ARG_NAMES, args))
-    logits = ops._cublas_logits(named["hidden"], named["router_weight"], named["logits_dtype"])
+    logits = _cublas_logits(named["hidden"], named["router_weight"], named["logits_dtype"])
     weights = torch.empty(logits.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
     ids = torch.empty(logits.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
     K.moe_route_fwd({**named, "logits": logits}, weights, ids)
@@ -109,35 +118,39 @@ def main():
         row = result["models"][name] = {"check": [check(name, t) for t in (1, 5, 16, 64)] if "check" in parts else []}
         for c in row["check"]:
             print(name, c, flush=True)
+        from fusion_compiler.inspect.counting import count_cuda_kernels
+
         split = []
+        limit = K.FUSED_GEMM_MAX_TOKENS
         for t in SPLIT_TOKENS if "split" in parts else ():
             a = make_args(name, t)
-            entry = {"tokens": t, "fused_us": common.graph_time_us(lambda i: _fused(a), 1),
+            entry = {"tokens": t, "ours_kernels": count_cuda_kernels(lambda: _fused(a)).count,
+                     "ours_us": common.graph_time_us(lambda i: _fused(a), 1),
                      "cublas_plus_route_us": common.graph_time_us(lambda i: _cublas(a), 1)}
+            if t <= limit:
+                K.FUSED_GEMM_MAX_TOKENS = 0
+                try:
+                    entry["ours_two_launches_us"] = common.graph_time_us(lambda i: _fused(a), 1)
+                finally:
+                    K.FUSED_GEMM_MAX_TOKENS = limit
             split.append(entry)
             print(name, entry, flush=True)
         row["split"] = split
         shapes = []
-        saved = K.gemm_launch_config
+        saved = (K._TARGET_PROGRAMS, K._MAX_SPLIT)
         for t in (1, 16) if "shape" in parts else ():
             a = make_args(name, t)
-            for block_e, warps in SHAPES:
-                def config(tokens, experts, hidden, _be=block_e, _w=warps):
-                    t_pad = saved(tokens, experts, hidden)[0]
-                    return t_pad, _be, max(64, min(triton_pow2(hidden), 8192 // (t_pad * _be))), _w
-
-                K.gemm_launch_config = config
+            for target, cap in SHAPES:
+                K._TARGET_PROGRAMS, K._MAX_SPLIT = target, cap
                 try:
                     us = common.graph_time_us(lambda i: _fused(a), 1)
                 except Exception as e:  # noqa: BLE001 - record and go on
                     us = f"{type(e).__name__}: {e}"[:200]
                 finally:
-                    K.gemm_launch_config = saved
-                shapes.append({"tokens": t, "block_e": block_e, "num_warps": warps, "us": us})
+                    K._TARGET_PROGRAMS, K._MAX_SPLIT = saved
+                shapes.append({"tokens": t, "target_programs": target, "max_split": cap, "us": us})
                 print(name, shapes[-1], flush=True)
         row["shapes"] = shapes
-        from fusion_compiler.inspect.counting import count_cuda_kernels
-
         cublas = []
         for t in (32, 64, 128, 256) if "cublas" in parts else ():
             a = make_args(name, t)
@@ -171,12 +184,6 @@ def main():
         row["floor_copy_router_weight_us"] = common.graph_time_us(lambda i: floor.copy_(src), 1)
         print(name, "floor", row["floor_copy_router_weight_us"], flush=True)
     common.write_json(args.out, result)
-
-
-def triton_pow2(n: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 if __name__ == "__main__":

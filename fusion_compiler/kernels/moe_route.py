@@ -27,8 +27,9 @@ with the same formula (so bit-identical to the in-register scores), instead of o
 reduction per round.
 
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
-GEMM and the routing in one launch for a few tokens (each program computes the logits of its
-experts for all tokens; the last program to finish routes them; see ``_moe_router_kernel``).
+GEMM (``_router_gemm_kernel``: tl.dot tiles, the hidden dim split so ~128 programs stream the
+router weight, fp32 partial sums) and the routing kernel, which sums them; or, up to
+``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last GEMM program sums them and routes.
 
 Math in fp32: sigmoid is ``1 / (1 + exp(-x))`` and softmax ``exp(x - max) / sum`` with
 correctly rounded divisions (``div_rn``: plain ``/`` is approximate on the GPU), and the
@@ -51,13 +52,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import INTERPRETER_BIT_CASTS
 from ._device import downcast as _downcast
 from ._device import launch_on_device
 from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-3"
+KERNEL_VERSION = "moe_route-5"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -101,12 +103,17 @@ def _load_logits(ptrs, mask, CACHE_GLOBAL: tl.constexpr):
 
 @triton.jit
 def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, renorm_eps, scale,
+                PARTIALS, stride_ps, stride_pt,
                 GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 TOP_K: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                CACHE_GLOBAL: tl.constexpr):
+                SPLIT: tl.constexpr):
     """Route the logits rows ``rows`` [R] (int64, ``row_mask`` in range); returns ([R, K_PAD]
-    fp32 weights, [R, K_PAD] int32 ids)."""
+    fp32 weights, [R, K_PAD] int32 ids).
+
+    SPLIT == 0: the logits are read from LOGITS.  SPLIT > 0: they are the sum, in split order, of
+    SPLIT fp32 partial GEMMs in PARTIALS [SPLIT, T, E] (written by other programs or launches:
+    read through L2), rounded to LOGITS' dtype and stored there (unit expert stride) first."""
     NP: tl.constexpr = G_PAD * GS_PAD  # power of two > every expert index
     g = tl.arange(0, G_PAD)[None, :, None]
     j = tl.arange(0, GS_PAD)[None, None, :]
@@ -114,7 +121,17 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
     lanes = valid & row_mask[:, None, None]
     row_base = LOGITS + rows[:, None, None] * stride_lt
-    x = _load_logits(row_base + e * stride_le, lanes, CACHE_GLOBAL)
+    if SPLIT > 0:
+        x = tl.zeros(lanes.shape, dtype=tl.float32)
+        for part in tl.static_range(SPLIT):
+            x += tl.load(PARTIALS + part * stride_ps + rows[:, None, None] * stride_pt + e, mask=lanes,
+                         other=0.0, cache_modifier=".cg")
+        rounded = _downcast(x, LOGITS.dtype.element_ty)
+        tl.store(row_base + e * stride_le, rounded, mask=lanes)
+        x = _upcast(rounded)
+        tl.debug_barrier()  # the picked logits are gathered back from LOGITS below
+    else:
+        x = _load_logits(row_base + e * stride_le, lanes, False)
 
     row_max = tl.zeros([x.shape[0]], dtype=tl.float32)
     total = tl.zeros([x.shape[0]], dtype=tl.float32)
@@ -149,7 +166,7 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         ids = tl.where(kk == i, (NP - 1 - (best & (NP - 1))).to(tl.int32)[:, None], ids)
 
     picked = row_mask[:, None] & (kk < TOP_K)
-    xk = _load_logits(LOGITS + rows[:, None] * stride_lt + ids * stride_le, picked, CACHE_GLOBAL)
+    xk = _load_logits(LOGITS + rows[:, None] * stride_lt + ids * stride_le, picked, SPLIT > 0)
     w = tl.where(picked, _scores(xk, row_max[:, None], total[:, None], SCORING), 0.0)
     if RENORMALIZE:
         w_sum = tl.sum(w, axis=1)
@@ -169,9 +186,9 @@ def _store_routes(WEIGHTS, IDS, rows, row_mask, out_w, out_id, stride_wt, stride
 
 @triton.jit
 def _moe_route_kernel(
-    LOGITS, BIAS, WEIGHTS, IDS,
+    LOGITS, BIAS, WEIGHTS, IDS, PARTIALS,
     stride_lt, stride_le, stride_b,
-    stride_wt, stride_wk, stride_it, stride_ik,
+    stride_wt, stride_wk, stride_it, stride_ik, stride_ps, stride_pt,
     renorm_eps, scale,
     GROUP_SIZE: tl.constexpr,  # experts per group (E when N_GROUP == 1)
     N_GROUP: tl.constexpr,
@@ -183,72 +200,73 @@ def _moe_route_kernel(
     SCORING: tl.constexpr,  # 0 sigmoid, 1 softmax
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SPLIT: tl.constexpr,  # 0: read LOGITS; > 0: sum SPLIT partial GEMMs into LOGITS first
 ):
-    """Routing from logits: one program per token."""
+    """Routing from logits (or from the router GEMM's partial sums): one program per token."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # int64: T * stride can pass 2**31
     in_range = rows >= 0
     out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, stride_le, BIAS, stride_b,
-                                renorm_eps, scale, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, G_PAD,
-                                GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, False)
+                                renorm_eps, scale, PARTIALS, stride_ps, stride_pt, GROUP_SIZE,
+                                N_GROUP, TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING,
+                                HAS_BIAS, RENORMALIZE, SPLIT)
     _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
                   stride_it, stride_ik, TOP_K, K_PAD)
 
 
-@triton.jit
-def _gemm_chunk(acc, HIDDEN, ROUTER_W, t, ex, c, T, H, E, stride_ht, stride_we, BLOCK_H: tl.constexpr):
-    """acc [T_PAD, BLOCK_E] += hidden[t, chunk c] . router_weight[ex, chunk c], in fp32."""
-    h = c * BLOCK_H + tl.arange(0, BLOCK_H)
-    w_tile = tl.load(ROUTER_W + ex[:, None] * stride_we + h[None, :],
-                     mask=(ex[:, None] < E) & (h[None, :] < H), other=0.0)
-    x_tile = tl.load(HIDDEN + t[:, None] * stride_ht + h[None, :],
-                     mask=(t[:, None] < T) & (h[None, :] < H), other=0.0)
-    return acc + tl.sum(_upcast(x_tile)[:, None, :] * _upcast(w_tile)[None, :, :], axis=2)
-
-
 @triton.jit(do_not_specialize=["T"])
-def _moe_router_kernel(
-    HIDDEN, ROUTER_W, BIAS, LOGITS, WEIGHTS, IDS, DONE,
+def _router_gemm_kernel(
+    HIDDEN, ROUTER_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, DONE,
     T, H, E,
-    stride_ht, stride_we, stride_lt, stride_b,
+    stride_ht, stride_we, stride_ps, stride_pt, stride_lt, stride_b,
     stride_wt, stride_wk, stride_it, stride_ik,
     renorm_eps, scale,
-    T_PAD: tl.constexpr,  # next_power_of_2(T) <= MAX_FUSED_TOKENS
-    BLOCK_E: tl.constexpr,  # experts per program
-    BLOCK_H: tl.constexpr,  # hidden chunk
-    NUM_CHUNKS: tl.constexpr,  # cdiv(H, BLOCK_H)
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr,  # BLOCK_K steps per split of the hidden dim
+    SPLIT: tl.constexpr,  # hidden-dim splits (grid axis 2)
+    FP32_DOT: tl.constexpr,  # operands are not both bf16 / both fp16: fp32 dot, IEEE
+    ROUTE: tl.constexpr,  # the last program routes every token (all tokens in one BLOCK_T tile)
+    T_PAD: tl.constexpr,  # next_power_of_2(T): the rows the last program routes
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):
-    """Router GEMM and routing in one launch, for a few tokens.
+    """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
+    router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
+    stores it to PARTIALS[s].  Without ROUTE, the routing kernel sums the splits.  With ROUTE
+    (few tokens), the last program to finish (a counter in DONE, acq_rel) sums them and routes,
+    and resets the counter for the next launch: the GEMM and the routing in one launch."""
+    pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    ex = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for step in range(K_STEPS):
+        k = (pid_s * K_STEPS + step) * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(HIDDEN + t[:, None].to(tl.int64) * stride_ht + k[None, :],
+                    mask=(t[:, None] < T) & (k[None, :] < H), other=0.0)
+        w = tl.load(ROUTER_W + ex[None, :].to(tl.int64) * stride_we + k[:, None],
+                    mask=(ex[None, :] < E) & (k[:, None] < H), other=0.0)
+        if FP32_DOT or INTERPRETER_BIT_CASTS:  # the interpreter's bf16 dot multiplies raw bits
+            acc = tl.dot(_upcast(x), _upcast(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    tl.store(PARTIALS + pid_s * stride_ps + t[:, None].to(tl.int64) * stride_pt + ex[None, :], acc,
+             mask=(t[:, None] < T) & (ex[None, :] < E))
 
-    Program p computes the logits of experts [p * BLOCK_E, (p + 1) * BLOCK_E) for every token
-    (it reads its slice of the router weight once) and stores them, rounded to the logits
-    dtype, to LOGITS.  The last program to finish (a counter in DONE, acq_rel) routes all
-    tokens from LOGITS and resets the counter for the next launch."""
-    pid = tl.program_id(0)
-    t = tl.arange(0, T_PAD)
-    ex = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([T_PAD, BLOCK_E], dtype=tl.float32)
-    # Unrolled, so the weight loads of every chunk can issue up front (a runtime loop made
-    # each chunk wait for the previous one's DRAM round trip: 57 us at 16 tokens, NOTES.md).
-    for c in tl.static_range(NUM_CHUNKS):
-        acc = _gemm_chunk(acc, HIDDEN, ROUTER_W, t, ex, c, T, H, E, stride_ht, stride_we, BLOCK_H)
-    tl.store(LOGITS + t[:, None] * stride_lt + ex[None, :],
-             _downcast(acc, LOGITS.dtype.element_ty), mask=(t[:, None] < T) & (ex[None, :] < E))
-
-    # Every thread's logits are stored before the counter moves (bar.sync, then a gpu-scope
-    # release); the last program's acquire makes all programs' logits visible to it.
-    tl.debug_barrier()
-    done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        rows = t.to(tl.int64)
-        out_w, out_id = _route_rows(LOGITS, rows, rows < T, stride_lt, 1, BIAS, stride_b,
-                                    renorm_eps, scale, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
-                                    G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, True)
-        _store_routes(WEIGHTS, IDS, rows, rows < T, out_w, out_id, stride_wt, stride_wk,
-                      stride_it, stride_ik, TOP_K, K_PAD)
-        tl.store(DONE, 0)
+    if ROUTE:
+        # Every thread's partials are stored before the counter moves (bar.sync, then a
+        # gpu-scope release); the last program's acquire makes all of them visible to it.
+        tl.debug_barrier()
+        done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
+            # T_PAD rows, not BLOCK_T: a 16-row tile at 1 token cost ~20 us (bench/NOTES.md).
+            rows = tl.arange(0, T_PAD).to(tl.int64)
+            out_w, out_id = _route_rows(LOGITS, rows, rows < T, stride_lt, 1, BIAS, stride_b,
+                                        renorm_eps, scale, PARTIALS, stride_ps, stride_pt,
+                                        GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, G_PAD, GS_PAD,
+                                        K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT)
+            _store_routes(WEIGHTS, IDS, rows, rows < T, out_w, out_id, stride_wt, stride_wk,
+                          stride_it, stride_ik, TOP_K, K_PAD)
+            tl.store(DONE, 0)
 
 
 def launch_config(experts: int, n_group: int, top_k: int) -> tuple[int, int, int, int]:
@@ -262,26 +280,34 @@ def launch_config(experts: int, n_group: int, top_k: int) -> tuple[int, int, int
     return g_pad, gs_pad, triton.next_power_of_2(top_k), num_warps
 
 
-# The router GEMM is fused into the routing launch up to this many tokens; above it, cuBLAS
-# computes the logits and the routing kernel reads them. Measured on the H200 with moe_route-3
-# (results/moe_router_check_h200.json, µs in CUDA graphs, fused vs cuBLAS + routing):
-#   tokens          1            2            4             8             16
-#   DeepSeek    6.2 vs 9.9   7.8 vs 9.8   11.3 vs 9.8   18.0 vs 9.9   51.4 vs 10.2
-#   MiniMax     5.5 vs 9.4   6.4 vs 9.5    9.0 vs 9.4   12.0 vs 9.6   34.5 vs 9.8
-#   Qwen3.5     7.4 vs 11.2  8.9 vs 11.1  12.4 vs 11.1  25.8 vs 11.4  57.7 vs 11.6
-# The fused launch accepts up to MAX_FUSED_TOKENS; its GEMM does not scale with tokens yet.
-FUSED_GEMM_MAX_TOKENS = 2
-MAX_FUSED_TOKENS = 16
+# Up to this many tokens the router GEMM and the routing are one launch (the GEMM's last program
+# routes); above it, the GEMM launch writes partial sums and the routing kernel (one program per
+# token) sums them: two launches.  The fused launch takes at most one token tile (BLOCK_T 16).
+# 0 (never fused) from the H200 (moe_route-4, results/moe_router_check_h200.json, µs in CUDA
+# graphs): two launches took 8.4-9.6 / 7.3-7.7 / 10.1-10.4 µs (DeepSeek / MiniMax / Qwen3.5) at
+# 1-64 tokens, against cuBLAS + routing's 10.7-12.0 / 11.3-12.0 / 12.2-12.8 (three kernels);
+# the one-launch form took 23-35 µs at every token count, because its last program routed a
+# 16-row tile.  It now routes next_power_of_2(T) rows, which has not run on the GPU yet:
+# measure it against two launches before raising this (moe_route-3's one-launch GEMM, which
+# routed T rows, took 5.5-7.4 µs at 1 token).
+FUSED_GEMM_MAX_TOKENS = 0
+_TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the router weight
+_MAX_SPLIT = 8
 
 
-def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int, int, int]:
-    """(T_PAD, BLOCK_E, BLOCK_H, num_warps) of the GEMM-fused launch: one program per expert
-    (E programs), each reading its router-weight row once, in unrolled hidden chunks."""
-    t_pad = triton.next_power_of_2(max(tokens, 1))
-    block_e = 1  # 1 expert per program was best at 1 and 16 tokens (bench/NOTES.md)
-    # Keep the [T_PAD, BLOCK_E, BLOCK_H] product at <= 8K fp32 values per chunk.
-    block_h = max(64, min(triton.next_power_of_2(hidden), 8192 // (t_pad * block_e)))
-    return t_pad, block_e, block_h, 4
+def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, SPLIT, num_warps) of the router GEMM launch.
+
+    tl.dot needs tiles of at least 16, so a decode step pads its tokens to 16; the hidden dim is
+    split until there are about _TARGET_PROGRAMS programs, each reading its weight tile once."""
+    block_t = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
+    block_e, block_k = 16, 64
+    tiles = triton.cdiv(tokens, block_t) * triton.cdiv(experts, block_e)
+    k_blocks = triton.cdiv(hidden, block_k)
+    split = max(1, min(_MAX_SPLIT, k_blocks, _TARGET_PROGRAMS // tiles))
+    k_steps = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, k_steps)  # no empty splits
+    return block_t, block_e, block_k, k_steps, split, 4
 
 
 def _routing_meta(named: dict, experts: int) -> dict:
@@ -346,11 +372,11 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
 
     def _launch():
         _moe_route_kernel[(tokens,)](
-            logits, bias_arg, weights, ids,
+            logits, bias_arg, weights, ids, logits,
             logits.stride(0), logits.stride(1), bias.stride(0) if bias is not None else 0,
-            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), 0, 0,
             float(named["renorm_eps"]), float(named["scale"]),
-            num_warps=num_warps, **meta,
+            num_warps=num_warps, SPLIT=0, **meta,
         )
 
     launch_on_device(logits, _launch)
@@ -380,19 +406,18 @@ def _done_counter(device: torch.device) -> torch.Tensor:
 
 def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tensor,
                    logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
-    """Router GEMM + routing in one launch (``tokens <= MAX_FUSED_TOKENS``; the op uses it up to
-    ``FUSED_GEMM_MAX_TOKENS``).
+    """Router GEMM + routing: one launch up to ``FUSED_GEMM_MAX_TOKENS`` tokens, else the GEMM
+    launch (partial sums) and the routing kernel.
 
-    ``hidden`` [T, H] and ``router_weight`` [E, H] (unit stride along H) are read in their own
-    dtypes and multiplied in fp32; the logits are rounded to ``logits.dtype`` ([T, E], unit
-    stride along E, written) before routing, as an ``F.linear`` in that dtype would round them.
-    So each input's dtype must be the logits dtype or a narrower float (an exact widening).
-    ``named`` holds the routing arguments as in :func:`moe_route_fwd`.
+    ``hidden`` [T, H] and ``router_weight`` [E, H] (unit stride along H) are multiplied with
+    fp32 accumulation (a bf16 x bf16 tensor-core dot when both are bf16, or both fp16; else both
+    upcast, IEEE fp32); the logits are rounded to ``logits.dtype`` ([T, E], unit stride along E,
+    written) before routing, as an ``F.linear`` in that dtype would round them.  So each input's
+    dtype must be the logits dtype or a narrower float (an exact widening).  ``named`` holds the
+    routing arguments as in :func:`moe_route_fwd`.
     """
     tokens, hid = hidden.shape
     experts = router_weight.shape[0]
-    if not 1 <= tokens <= MAX_FUSED_TOKENS:
-        raise ValueError(f"the GEMM-fused launch takes 1..{MAX_FUSED_TOKENS} tokens, got {tokens}")
     if tuple(router_weight.shape) != (experts, hid) or tuple(logits.shape) != (tokens, experts):
         raise ValueError(
             f"shapes disagree: hidden {tuple(hidden.shape)}, router_weight {tuple(router_weight.shape)}, "
@@ -411,20 +436,38 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     tensors = [hidden, router_weight, logits, weights, ids] + ([bias] if bias is not None else [])
     if any(t.device != hidden.device for t in tensors):
         raise ValueError(f"all tensors must be on {hidden.device}")
+    if tokens == 0:
+        return
 
-    t_pad, block_e, block_h, num_warps = gemm_launch_config(tokens, experts, hid)
-    done = _done_counter(hidden.device)
+    block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, experts, hid)
+    fused = tokens <= min(FUSED_GEMM_MAX_TOKENS, block_t)
+    partials = torch.empty((split, tokens, experts), dtype=torch.float32, device=hidden.device)
+    done = _done_counter(hidden.device) if fused else partials  # dummy when not fused
     bias_arg = bias if bias is not None else logits
+    stride_b = bias.stride(0) if bias is not None else 0
+    fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(experts, block_e), split)
 
     def _launch():
-        _moe_router_kernel[(triton.cdiv(experts, block_e),)](
-            hidden, router_weight, bias_arg, logits, weights, ids, done,
+        _router_gemm_kernel[grid](
+            hidden, router_weight, partials, logits, bias_arg, weights, ids, done,
             tokens, hid, experts,
-            hidden.stride(0), router_weight.stride(0), logits.stride(0), bias.stride(0) if bias is not None else 0,
+            hidden.stride(0), router_weight.stride(0), partials.stride(0), partials.stride(1),
+            logits.stride(0), stride_b,
             weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
             float(named["renorm_eps"]), float(named["scale"]),
-            T_PAD=t_pad, BLOCK_E=block_e, BLOCK_H=block_h, NUM_CHUNKS=triton.cdiv(hid, block_h),
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
+            FP32_DOT=fp32_dot, ROUTE=fused, T_PAD=triton.next_power_of_2(tokens) if fused else 1,
             num_warps=num_warps, **meta,
         )
+        if not fused:
+            _moe_route_kernel[(tokens,)](
+                logits, bias_arg, weights, ids, partials,
+                logits.stride(0), 1, stride_b,
+                weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+                partials.stride(0), partials.stride(1),
+                float(named["renorm_eps"]), float(named["scale"]),
+                num_warps=launch_config(experts, meta["N_GROUP"], meta["TOP_K"])[3], SPLIT=split, **meta,
+            )
 
     launch_on_device(hidden, _launch)

@@ -143,14 +143,12 @@ def moe_route(logits, bias=None, *, top_k, n_group=1, topk_group=1, scoring="sig
 #   weights, ids = moe_route(logits, ...)
 #
 # DeepSeek's router is an fp32 GEMM of bf16 operands (``F.linear(x.float(), w.float())``),
-# MiniMax's and Qwen's a bf16 GEMM. On CUDA, up to ``FUSED_GEMM_MAX_TOKENS`` tokens (2, from
-# measurements: kernels/moe_route.py) the GEMM runs inside the routing launch (one kernel, the
-# router weight read once); above it cuBLAS computes the logits (an fp32-output GEMM of the bf16
-# operands for DeepSeek, so no fp32 copy of the weight is made) and the routing kernel reads
-# them: two launches, but three kernels on the H200, where cuBLAS picks split-K (a GEMM and a
-# reduce) for these skinny shapes. Each operand's dtype
-# must widen exactly to logits_dtype (or be it). Summation order differs from cuBLAS's, so
-# logits agree to rounding, and ids wherever scores are not within that rounding of a tie.
+# MiniMax's and Qwen's a bf16 GEMM. On CUDA our own GEMM reads the bf16 weight as it is (no fp32
+# copy) with fp32 accumulation, then the routing kernel: two launches (a one-launch form for
+# few tokens exists, off until measured: kernels/moe_route.py, FUSED_GEMM_MAX_TOKENS). Each
+# operand's dtype must widen exactly to logits_dtype (or be it). Summation order differs from
+# cuBLAS's, so logits agree to rounding, and ids wherever scores are not within that rounding
+# of a tie.
 
 _ROUTER_SCHEMA = (
     "(Tensor hidden, Tensor router_weight, Tensor? bias, int top_k, int n_group, int topk_group, int scoring, "
@@ -207,16 +205,9 @@ def _router_fake(*args):
     )
 
 
-def _cublas_logits(hidden, router_weight, logits_dtype):
-    """cuBLAS logits; bf16/fp16 operands into fp32 logits as one fp32-output GEMM."""
-    if hidden.dtype == router_weight.dtype != logits_dtype:
-        return torch.mm(hidden, router_weight.t(), out_dtype=logits_dtype)
-    return router_logits(hidden, router_weight, logits_dtype)
-
-
 @_router_op.register_kernel("cuda")
 def _router_cuda(*args):
-    from fusion_compiler.kernels.moe_route import FUSED_GEMM_MAX_TOKENS, moe_route_fwd, moe_router_fwd
+    from fusion_compiler.kernels.moe_route import moe_router_fwd
 
     _validate_router(*args)
     named = dict(zip(_ROUTER_ARG_NAMES, args))
@@ -224,13 +215,9 @@ def _router_cuda(*args):
     tokens, experts, top_k = hidden.shape[0], router_weight.shape[0], named["top_k"]
     weights = torch.empty((tokens, top_k), dtype=named["weights_dtype"], device=hidden.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
-    if 1 <= tokens <= FUSED_GEMM_MAX_TOKENS:
-        logits = torch.empty((tokens, experts), dtype=named["logits_dtype"], device=hidden.device)
-        unit = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight)]
-        moe_router_fwd(named, *unit, logits, weights, ids)
-    else:
-        logits = _cublas_logits(hidden, router_weight, named["logits_dtype"])
-        moe_route_fwd({**named, "logits": logits}, weights, ids)
+    logits = torch.empty((tokens, experts), dtype=named["logits_dtype"], device=hidden.device)
+    unit = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight)]
+    moe_router_fwd(named, *unit, logits, weights, ids)
     return weights, ids, logits
 
 

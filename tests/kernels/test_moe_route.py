@@ -16,6 +16,8 @@ Weights: fp32 within 1e-6 relative, bf16/fp16 within one unit in the last place.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -167,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-3"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-5"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -268,7 +270,7 @@ def test_rejects_bad_outputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# Router GEMM fused into the routing launch (moe_router_fwd, <= MAX_FUSED_TOKENS tokens)
+# Router GEMM + routing (moe_router_fwd): one launch up to FUSED_GEMM_MAX_TOKENS, two above
 # ---------------------------------------------------------------------------------------------
 #
 # hidden and router weight hold small multiples of 1/8, so every product and partial sum is
@@ -297,6 +299,17 @@ def router_args(c: dict, hidden_size: int, duplicate_rows: bool) -> tuple:
     return (hidden.to(in_dtype).to(DEVICE), weight.to(in_dtype).to(DEVICE), None if bias is None else bias.to(DEVICE),
             c["top_k"], c["n_group"], c["topk_group"], c["scoring"], c["renormalize"], c["renorm_eps"], c["scale"],
             c["weights_dtype"], c["logits_dtype"])
+
+
+@contextlib.contextmanager
+def fused_up_to(tokens: int):
+    """Route with the GEMM in one launch up to ``tokens`` (the launcher's split)."""
+    saved = K.FUSED_GEMM_MAX_TOKENS
+    K.FUSED_GEMM_MAX_TOKENS = tokens
+    try:
+        yield
+    finally:
+        K.FUSED_GEMM_MAX_TOKENS = saved
 
 
 def run_router_kernel(args: tuple):
@@ -328,7 +341,8 @@ def assert_router_matches_reference(args: tuple):
 @st.composite
 def router_configs(draw):
     c = draw(configs())
-    c["tokens"] = draw(st.integers(1, K.MAX_FUSED_TOKENS))
+    c["fused"] = draw(st.booleans())  # one launch (<= 16 tokens) or GEMM + routing launches
+    c["tokens"] = draw(st.integers(1, 16) if c["fused"] else st.integers(1, 40))
     c["hidden_size"] = draw(st.sampled_from([8, 48, 100, 300]))
     return c
 
@@ -339,13 +353,15 @@ def test_router_gemm_tie_free_matches_reference(c):
     args = router_args(c, c["hidden_size"], duplicate_rows=False)
     _, _, ref_logits = moe_router_reference(*args)
     assume(ranking_gaps_ok((ref_logits,) + args[2:8]))
-    assert_router_matches_reference(args)
+    with fused_up_to(16 if c["fused"] else 0):
+        assert_router_matches_reference(args)
 
 
 @settings(max_examples=8, deadline=None)
 @given(c=router_configs())
 def test_router_gemm_tie_heavy_matches_reference(c):
-    assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True))
+    with fused_up_to(16 if c["fused"] else 0):
+        assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True))
 
 
 def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
@@ -358,26 +374,33 @@ def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
     for seed in (11, 12):
         args = router_args({**c, "seed": seed}, 64, duplicate_rows=False)
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-        assert_router_matches_reference(args)
+        with fused_up_to(16):
+            assert_router_matches_reference(args)
         assert counter.item() == 0
 
 
 def test_router_gemm_rejects_what_it_cannot_do():
-    hidden = torch.zeros(17, 8, dtype=torch.bfloat16, device=DEVICE)
+    hidden = torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE)
     weight = torch.zeros(16, 8, dtype=torch.bfloat16, device=DEVICE)
     named = dict(zip(_ROUTER_ARG_NAMES, (hidden, weight, None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32, torch.float32)))
-    out = (torch.empty(17, 16, device=DEVICE), torch.empty(17, 4, device=DEVICE), torch.empty(17, 4, dtype=torch.int64, device=DEVICE))
-    with pytest.raises(ValueError, match="1..16 tokens"):
-        K.moe_router_fwd(named, hidden, weight, *out)
+    out = (torch.empty(4, 4, device=DEVICE), torch.empty(4, 4, dtype=torch.int64, device=DEVICE))
     # fp32 operands cannot feed bf16 logits without a rounding the kernel does not do
     with pytest.raises(ValueError, match="widen"):
-        K.moe_router_fwd(named, hidden[:4].float(), weight.float(), torch.empty(4, 16, dtype=torch.bfloat16, device=DEVICE),
-                         out[1][:4], out[2][:4])
+        K.moe_router_fwd(named, hidden.float(), weight.float(), torch.empty(4, 16, dtype=torch.bfloat16, device=DEVICE), *out)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        K.moe_router_fwd(named, hidden, weight[:, :4], torch.empty(4, 16, device=DEVICE), *out)
 
 
-def test_router_gemm_many_hidden_chunks(monkeypatch):
-    """Many hidden chunks (5 of 64 for 300): the masked tail chunk and the accumulation across chunks."""
-    monkeypatch.setattr(K, "gemm_launch_config", lambda tokens, experts, hidden: (1 << (tokens - 1).bit_length(), 2, 64, 4))
-    c = dict(tokens=5, experts=32, n_group=4, topk_group=2, top_k=6, scoring=1, has_bias=True, renormalize=True,
+@pytest.mark.parametrize("tokens", [5, 37])  # one launch; two launches with 3 token tiles
+def test_router_gemm_hidden_splits(monkeypatch, tokens):
+    """Many hidden splits and steps (300 = 5 x 64 - 20: a masked tail in the last split), summed
+    in split order; fp32 operands (IEEE dot) for fp32 logits."""
+    monkeypatch.setattr(K, "gemm_launch_config", lambda t, e, h: (16, 16, 64, 2, 3, 4))
+    monkeypatch.setattr(K, "FUSED_GEMM_MAX_TOKENS", 16)
+    c = dict(tokens=tokens, experts=32, n_group=4, topk_group=2, top_k=6, scoring=1, has_bias=True, renormalize=True,
              renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=3)
-    assert_router_matches_reference(router_args(c, 300, duplicate_rows=True))  # 5 chunks of 64
+    assert_router_matches_reference(router_args(c, 300, duplicate_rows=True))
+    c.update(logits_dtype=torch.float32, weights_dtype=torch.float32)
+    args = router_args(c, 300, duplicate_rows=True)
+    args = (args[0].float(), args[1].float()) + args[2:]
+    assert_router_matches_reference(args)
