@@ -59,7 +59,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-5"
+KERNEL_VERSION = "moe_route-6"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -175,6 +175,19 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
 
 
 @triton.jit
+def _store_gate(PARTIALS, GATE, rows, row_mask, stride_ps, stride_pt, stride_g, column,
+                SPLIT: tl.constexpr):
+    """gate = sigmoid(the gate row's logit, rounded to GATE's dtype), from the split partials."""
+    logit = tl.zeros(rows.shape, dtype=tl.float32)
+    for part in tl.static_range(SPLIT):
+        logit += tl.load(PARTIALS + part * stride_ps + rows * stride_pt + column, mask=row_mask,
+                         other=0.0, cache_modifier=".cg")
+    rounded = _upcast(_downcast(logit, GATE.dtype.element_ty))
+    gate = tl.math.div_rn(tl.full(rounded.shape, 1.0, tl.float32), 1.0 + tl.exp(-rounded))
+    tl.store(GATE + rows * stride_g, _downcast(gate, GATE.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _store_routes(WEIGHTS, IDS, rows, row_mask, out_w, out_id, stride_wt, stride_wk,
                   stride_it, stride_ik, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
     kk = tl.arange(0, K_PAD)[None, :]
@@ -186,9 +199,9 @@ def _store_routes(WEIGHTS, IDS, rows, row_mask, out_w, out_id, stride_wt, stride
 
 @triton.jit
 def _moe_route_kernel(
-    LOGITS, BIAS, WEIGHTS, IDS, PARTIALS,
+    LOGITS, BIAS, WEIGHTS, IDS, PARTIALS, GATE,
     stride_lt, stride_le, stride_b,
-    stride_wt, stride_wk, stride_it, stride_ik, stride_ps, stride_pt,
+    stride_wt, stride_wk, stride_it, stride_ik, stride_ps, stride_pt, stride_g,
     renorm_eps, scale,
     GROUP_SIZE: tl.constexpr,  # experts per group (E when N_GROUP == 1)
     N_GROUP: tl.constexpr,
@@ -201,6 +214,7 @@ def _moe_route_kernel(
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     SPLIT: tl.constexpr,  # 0: read LOGITS; > 0: sum SPLIT partial GEMMs into LOGITS first
+    HAS_GATE: tl.constexpr,  # partials column E is the shared-expert gate's logit (SPLIT > 0)
 ):
     """Routing from logits (or from the router GEMM's partial sums): one program per token."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # int64: T * stride can pass 2**31
@@ -211,14 +225,17 @@ def _moe_route_kernel(
                                 HAS_BIAS, RENORMALIZE, SPLIT)
     _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
                   stride_it, stride_ik, TOP_K, K_PAD)
+    if HAS_GATE:
+        _store_gate(PARTIALS, GATE, rows, in_range, stride_ps, stride_pt, stride_g,
+                    N_GROUP * GROUP_SIZE, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(
-    HIDDEN, ROUTER_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, DONE,
+    HIDDEN, ROUTER_W, GATE_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, DONE,
     T, H, E,
     stride_ht, stride_we, stride_ps, stride_pt, stride_lt, stride_b,
-    stride_wt, stride_wk, stride_it, stride_ik,
+    stride_wt, stride_wk, stride_it, stride_ik, stride_g,
     renorm_eps, scale,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     K_STEPS: tl.constexpr,  # BLOCK_K steps per split of the hidden dim
@@ -226,6 +243,7 @@ def _router_gemm_kernel(
     FP32_DOT: tl.constexpr,  # operands are not both bf16 / both fp16: fp32 dot, IEEE
     ROUTE: tl.constexpr,  # the last program routes every token (all tokens in one BLOCK_T tile)
     T_PAD: tl.constexpr,  # next_power_of_2(T): the rows the last program routes
+    HAS_GATE: tl.constexpr,  # GATE_W [1, H] is GEMM column E (Qwen's shared-expert gate)
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -243,14 +261,16 @@ def _router_gemm_kernel(
         k = (pid_s * K_STEPS + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(HIDDEN + t[:, None].to(tl.int64) * stride_ht + k[None, :],
                     mask=(t[:, None] < T) & (k[None, :] < H), other=0.0)
-        w = tl.load(ROUTER_W + ex[None, :].to(tl.int64) * stride_we + k[:, None],
-                    mask=(ex[None, :] < E) & (k[:, None] < H), other=0.0)
+        w_ptrs = ROUTER_W + ex[None, :].to(tl.int64) * stride_we + k[:, None]
+        if HAS_GATE:  # column E reads the gate's weight row
+            w_ptrs = tl.where(ex[None, :] < E, w_ptrs, GATE_W + k[:, None])
+        w = tl.load(w_ptrs, mask=(ex[None, :] < E + HAS_GATE) & (k[:, None] < H), other=0.0)
         if FP32_DOT or INTERPRETER_BIT_CASTS:  # the interpreter's bf16 dot multiplies raw bits
             acc = tl.dot(_upcast(x), _upcast(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
     tl.store(PARTIALS + pid_s * stride_ps + t[:, None].to(tl.int64) * stride_pt + ex[None, :], acc,
-             mask=(t[:, None] < T) & (ex[None, :] < E))
+             mask=(t[:, None] < T) & (ex[None, :] < E + HAS_GATE))
 
     if ROUTE:
         # Every thread's partials are stored before the counter moves (bar.sync, then a
@@ -266,6 +286,8 @@ def _router_gemm_kernel(
                                         K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT)
             _store_routes(WEIGHTS, IDS, rows, rows < T, out_w, out_id, stride_wt, stride_wk,
                           stride_it, stride_ik, TOP_K, K_PAD)
+            if HAS_GATE:
+                _store_gate(PARTIALS, GATE, rows, rows < T, stride_ps, stride_pt, stride_g, E, SPLIT)
             tl.store(DONE, 0)
 
 
@@ -372,11 +394,11 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
 
     def _launch():
         _moe_route_kernel[(tokens,)](
-            logits, bias_arg, weights, ids, logits,
+            logits, bias_arg, weights, ids, logits, logits,
             logits.stride(0), logits.stride(1), bias.stride(0) if bias is not None else 0,
-            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), 0, 0,
+            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), 0, 0, 0,
             float(named["renorm_eps"]), float(named["scale"]),
-            num_warps=num_warps, SPLIT=0, **meta,
+            num_warps=num_warps, SPLIT=0, HAS_GATE=False, **meta,
         )
 
     launch_on_device(logits, _launch)
@@ -405,7 +427,8 @@ def _done_counter(device: torch.device) -> torch.Tensor:
 
 
 def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tensor,
-                   logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+                   logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   gate_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
     """Router GEMM + routing: one launch up to ``FUSED_GEMM_MAX_TOKENS`` tokens, else the GEMM
     launch (partial sums) and the routing kernel.
 
@@ -414,7 +437,9 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     upcast, IEEE fp32); the logits are rounded to ``logits.dtype`` ([T, E], unit stride along E,
     written) before routing, as an ``F.linear`` in that dtype would round them.  So each input's
     dtype must be the logits dtype or a narrower float (an exact widening).  ``named`` holds the
-    routing arguments as in :func:`moe_route_fwd`.
+    routing arguments as in :func:`moe_route_fwd`.  With ``gate_weight`` [1, H] (hidden's dtype,
+    unit stride), ``gate`` [T, 1] receives ``sigmoid(F.linear(hidden, gate_weight))`` in its dtype,
+    computed as one more GEMM column.
     """
     tokens, hid = hidden.shape
     experts = router_weight.shape[0]
@@ -436,38 +461,53 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     tensors = [hidden, router_weight, logits, weights, ids] + ([bias] if bias is not None else [])
     if any(t.device != hidden.device for t in tensors):
         raise ValueError(f"all tensors must be on {hidden.device}")
+    has_gate = gate_weight is not None
+    if has_gate != (gate is not None):
+        raise ValueError("gate_weight and gate must be given together")
+    if has_gate:
+        if (tuple(gate_weight.shape) != (1, hid) or gate_weight.dtype != hidden.dtype
+                or gate_weight.dtype != router_weight.dtype or gate_weight.stride(-1) != 1):
+            raise ValueError(f"gate_weight must be [1, {hid}], hidden's and router_weight's dtype, unit stride, got "
+                             f"{tuple(gate_weight.shape)} {gate_weight.dtype} {gate_weight.stride()}")
+        if tuple(gate.shape) != (tokens, 1) or gate.dtype not in _LOGIT_DTYPES or gate.device != hidden.device:
+            raise ValueError(f"gate must be float [{tokens}, 1] on {hidden.device}, got {tuple(gate.shape)} {gate.dtype}")
     if tokens == 0:
         return
 
-    block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, experts, hid)
+    columns = experts + has_gate
+    block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid)
     fused = tokens <= min(FUSED_GEMM_MAX_TOKENS, block_t)
-    partials = torch.empty((split, tokens, experts), dtype=torch.float32, device=hidden.device)
+    partials = torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
+    gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE
+    gate_arg = gate if has_gate else logits
+    stride_g = gate.stride(0) if has_gate else 0
     done = _done_counter(hidden.device) if fused else partials  # dummy when not fused
     bias_arg = bias if bias is not None else logits
     stride_b = bias.stride(0) if bias is not None else 0
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(experts, block_e), split)
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
 
     def _launch():
         _router_gemm_kernel[grid](
-            hidden, router_weight, partials, logits, bias_arg, weights, ids, done,
+            hidden, router_weight, gate_w_arg, partials, logits, bias_arg, weights, ids, gate_arg, done,
             tokens, hid, experts,
             hidden.stride(0), router_weight.stride(0), partials.stride(0), partials.stride(1),
             logits.stride(0), stride_b,
-            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
+            weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), stride_g,
             float(named["renorm_eps"]), float(named["scale"]),
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
             FP32_DOT=fp32_dot, ROUTE=fused, T_PAD=triton.next_power_of_2(tokens) if fused else 1,
-            num_warps=num_warps, **meta,
+            HAS_GATE=has_gate, num_warps=num_warps, **meta,
         )
         if not fused:
             _moe_route_kernel[(tokens,)](
-                logits, bias_arg, weights, ids, partials,
+                logits, bias_arg, weights, ids, partials, gate_arg,
                 logits.stride(0), 1, stride_b,
                 weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
-                partials.stride(0), partials.stride(1),
+                partials.stride(0), partials.stride(1), stride_g,
                 float(named["renorm_eps"]), float(named["scale"]),
-                num_warps=launch_config(experts, meta["N_GROUP"], meta["TOP_K"])[3], SPLIT=split, **meta,
+                num_warps=launch_config(experts, meta["N_GROUP"], meta["TOP_K"])[3], SPLIT=split,
+                HAS_GATE=has_gate, **meta,
             )
 
     launch_on_device(hidden, _launch)

@@ -150,17 +150,35 @@ def moe_route(logits, bias=None, *, top_k, n_group=1, topk_group=1, scoring="sig
 # cuBLAS's, so logits agree to rounding, and ids wherever scores are not within that rounding
 # of a tie.
 
+#
+# Qwen3.5's shared-expert gate, ``sigmoid(F.linear(hidden, gate_weight))`` with a [1, H] weight
+# (``shared_expert_gate``), reads the same hidden states: with ``gate_weight`` the op computes it
+# as one more row of the router GEMM and returns it as ``gate`` [T, 1] in hidden's dtype
+# (otherwise ``gate`` is [T, 0]).
+
 _ROUTER_SCHEMA = (
     "(Tensor hidden, Tensor router_weight, Tensor? bias, int top_k, int n_group, int topk_group, int scoring, "
-    "bool renormalize, float renorm_eps, float scale, ScalarType weights_dtype, ScalarType logits_dtype) "
-    "-> (Tensor weights, Tensor ids, Tensor logits)"
+    "bool renormalize, float renorm_eps, float scale, ScalarType weights_dtype, ScalarType logits_dtype, "
+    "Tensor? gate_weight=None) -> (Tensor weights, Tensor ids, Tensor logits, Tensor gate)"
 )
-_ROUTER_ARG_NAMES = ("hidden", "router_weight") + _ARG_NAMES[1:] + ("logits_dtype",)
+_ROUTER_ARG_NAMES = ("hidden", "router_weight") + _ARG_NAMES[1:] + ("logits_dtype", "gate_weight")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _validate_router(hidden, router_weight, *routing_and_logits_dtype) -> None:
-    *routing, logits_dtype = routing_and_logits_dtype
+def router_args(args) -> dict:
+    """moe_router's positional arguments by name (gate_weight defaults to None)."""
+    named = dict(zip(_ROUTER_ARG_NAMES, args))
+    named.setdefault("gate_weight", None)
+    return named
+
+
+def _routing_args(named: dict) -> tuple:
+    return tuple(named[n] for n in _ARG_NAMES[1:])
+
+
+def _validate_router(*args) -> dict:
+    named = router_args(args)
+    hidden, router_weight, logits_dtype = named["hidden"], named["router_weight"], named["logits_dtype"]
     if hidden.dim() != 2 or router_weight.dim() != 2 or hidden.shape[1] != router_weight.shape[1]:
         raise ValueError(
             f"hidden [tokens, H] and router_weight [experts, H] expected, got {tuple(hidden.shape)} "
@@ -172,20 +190,30 @@ def _validate_router(hidden, router_weight, *routing_and_logits_dtype) -> None:
         require_dtype(t, _FLOATS, name)
         if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
             raise ValueError(f"{name} {t.dtype} does not widen exactly to the {logits_dtype} logits")
+    gate_weight = named["gate_weight"]
+    if gate_weight is not None:
+        require_shape(gate_weight, (1, hidden.shape[1]), "gate_weight")
+        if gate_weight.dtype != hidden.dtype:
+            raise ValueError(f"gate_weight is {gate_weight.dtype}, hidden {hidden.dtype}: F.linear needs one dtype")
     logits = hidden.new_empty((hidden.shape[0], router_weight.shape[0]), dtype=logits_dtype, device="meta")
-    _validate(logits, *routing)
+    _validate(logits, *_routing_args(named))
+    return named
 
 
 def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
     return torch.nn.functional.linear(hidden.to(logits_dtype), router_weight.to(logits_dtype))
 
 
-def moe_router_reference(hidden, router_weight, *routing_and_logits_dtype):
-    _validate_router(hidden, router_weight, *routing_and_logits_dtype)
-    *routing, logits_dtype = routing_and_logits_dtype
-    logits = router_logits(hidden, router_weight, logits_dtype)
-    weights, ids = moe_route_reference(logits, *routing)
-    return weights, ids, logits
+def moe_router_reference(*args):
+    named = _validate_router(*args)
+    hidden, gate_weight = named["hidden"], named["gate_weight"]
+    logits = router_logits(hidden, named["router_weight"], named["logits_dtype"])
+    weights, ids = moe_route_reference(logits, *_routing_args(named))
+    if gate_weight is None:
+        gate = hidden.new_empty((hidden.shape[0], 0))
+    else:
+        gate = torch.sigmoid(torch.nn.functional.linear(hidden, gate_weight))
+    return weights, ids, logits, gate
 
 
 @torch.library.custom_op("fusion_compiler::moe_router", mutates_args=(), schema=_ROUTER_SCHEMA)
@@ -195,13 +223,14 @@ def _router_op(*args):
 
 @_router_op.register_fake
 def _router_fake(*args):
-    _validate_router(*args)
-    named = dict(zip(_ROUTER_ARG_NAMES, args))
+    named = _validate_router(*args)
     hidden, experts, top_k = named["hidden"], named["router_weight"].shape[0], named["top_k"]
+    tokens = hidden.shape[0]
     return (
-        hidden.new_empty((hidden.shape[0], top_k), dtype=named["weights_dtype"]),
-        hidden.new_empty((hidden.shape[0], top_k), dtype=torch.int64),
-        hidden.new_empty((hidden.shape[0], experts), dtype=named["logits_dtype"]),
+        hidden.new_empty((tokens, top_k), dtype=named["weights_dtype"]),
+        hidden.new_empty((tokens, top_k), dtype=torch.int64),
+        hidden.new_empty((tokens, experts), dtype=named["logits_dtype"]),
+        hidden.new_empty((tokens, 0 if named["gate_weight"] is None else 1)),
     )
 
 
@@ -209,23 +238,24 @@ def _router_fake(*args):
 def _router_cuda(*args):
     from fusion_compiler.kernels.moe_route import moe_router_fwd
 
-    _validate_router(*args)
-    named = dict(zip(_ROUTER_ARG_NAMES, args))
-    hidden, router_weight = named["hidden"], named["router_weight"]
+    named = _validate_router(*args)
+    hidden, router_weight, gate_weight = named["hidden"], named["router_weight"], named["gate_weight"]
     tokens, experts, top_k = hidden.shape[0], router_weight.shape[0], named["top_k"]
     weights = torch.empty((tokens, top_k), dtype=named["weights_dtype"], device=hidden.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
     logits = torch.empty((tokens, experts), dtype=named["logits_dtype"], device=hidden.device)
-    unit = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight)]
-    moe_router_fwd(named, *unit, logits, weights, ids)
-    return weights, ids, logits
+    gate = torch.empty((tokens, 0 if gate_weight is None else 1), dtype=hidden.dtype, device=hidden.device)
+    unit = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight, gate_weight)]
+    moe_router_fwd(named, unit[0], unit[1], logits, weights, ids, gate_weight=unit[2], gate=gate)
+    return weights, ids, logits, gate
 
 
 def moe_router(hidden, router_weight, bias=None, *, top_k, n_group=1, topk_group=1, scoring="sigmoid",
-               renormalize=True, renorm_eps=0.0, scale=1.0, weights_dtype=torch.float32, logits_dtype=None):  # fmt: skip
+               renormalize=True, renorm_eps=0.0, scale=1.0, weights_dtype=torch.float32, logits_dtype=None,
+               gate_weight=None):  # fmt: skip
     """Keyword front end of ``torch.ops.fusion_compiler.moe_router`` (logits_dtype: the router
     weight's dtype when not given)."""
     return torch.ops.fusion_compiler.moe_router(
         hidden, router_weight, bias, top_k, n_group, topk_group, SCORING[scoring], renormalize, float(renorm_eps),
-        float(scale), weights_dtype, logits_dtype or router_weight.dtype,
+        float(scale), weights_dtype, logits_dtype or router_weight.dtype, gate_weight,
     )

@@ -19,6 +19,8 @@ weight's dtype like MiniMax's and Qwen's), replaced by ``moe_router`` (GEMM + ro
 launch at few tokens), and from the logits, replaced by ``moe_route``. The GEMM forms are
 tried first; a router whose logits are also used elsewhere (returned, or fed to an aux loss)
 fails them, because the logits would have to stay, and fuses from its logits instead.
+Widest of all: the GEMM form plus Qwen3.5's shared-expert gate, ``sigmoid(F.linear(hidden,
+gate_weight))`` with a one-row weight on the same hidden states, computed as one more GEMM row.
 """
 
 from __future__ import annotations
@@ -104,17 +106,40 @@ def _with_router_gemm(route: Callable, router_gemm: Callable) -> Callable:
     return search
 
 
+def _with_shared_gate(search: Callable) -> Callable:
+    """``search`` (a GEMM form) plus Qwen's shared-expert gate on the same hidden states:
+    ``sigmoid(F.linear(hidden, gate_weight))``, gate_weight [1, H], as a third output."""
+
+    def gated(hidden, router_weight, gate_weight, *route_args):
+        weights, ids = search(hidden, router_weight, *route_args)
+        return weights, ids, torch.sigmoid(torch.nn.functional.linear(hidden, gate_weight))
+
+    params = list(inspect.signature(search).parameters.values())
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    gated.__signature__ = inspect.Signature([*params[:2], inspect.Parameter("gate_weight", positional), *params[2:]])
+    return gated
+
+
 ROUTES = (
     ("sigmoid_bias_grouped", sigmoid_bias_grouped, {"scoring": "sigmoid", "grouped": True}),
     ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
     ("softmax", softmax, {"scoring": "softmax"}),
 )
-# GEMM forms first: registration order is the order Inductor tries patterns at a node.
-VARIANTS = tuple(
-    Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
-    for g in GEMMS
-    for name, route, params in ROUTES
-) + tuple(Variant(name, route, params) for name, route, params in ROUTES)
+# Registration order is the order Inductor tries patterns at a node: the widest match first
+# (router GEMM + shared-expert gate, then the GEMM alone, then from the logits).
+VARIANTS = (
+    tuple(
+        Variant(f"{name}+gemm+shared_gate", _with_shared_gate(_with_router_gemm(route, gemm)),
+                {**params, "gemm": "gemm", "shared_gate": True})
+        for name, route, params in ROUTES
+    )
+    + tuple(
+        Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
+        for g in GEMMS
+        for name, route, params in ROUTES
+    )
+    + tuple(Variant(name, route, params) for name, route, params in ROUTES)
+)
 DTYPE_COMBOS = ((torch.bfloat16,), (torch.float32,), (torch.float16,))
 
 
@@ -131,6 +156,8 @@ def example_inputs(variant: Variant, combo) -> list:
     tokens = _TOKENS if grouped else 3
     if variant.params.get("gemm"):
         head = [torch.randn(tokens, _HIDDEN, dtype=dtype), torch.randn(experts, _HIDDEN, dtype=dtype)]
+        if variant.params.get("shared_gate"):
+            head.append(torch.randn(1, _HIDDEN, dtype=dtype))
     else:
         head = [torch.randn(tokens, experts, dtype=dtype)]
     if grouped:
@@ -223,6 +250,12 @@ def _gemm_reason(values, variant: Variant) -> Reason:
             return f"the router GEMM's {name} is {t.dtype}"
         if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
             return f"the router GEMM's {name} ({t.dtype}) does not widen exactly to the {logits_dtype} logits"
+    if variant.params.get("shared_gate"):
+        gate = values.get("gate_weight")
+        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (1, hidden.shape[1]):
+            return f"the sigmoid gate's weight is {tuple(getattr(gate, 'shape', ()))}, not one row [1, {hidden.shape[1]}]"
+        if not gate.dtype == hidden.dtype == weight.dtype:
+            return f"gate {gate.dtype}, hidden {hidden.dtype} and router weight {weight.dtype} differ"
     return None
 
 
@@ -276,11 +309,21 @@ def replacement(variant: Variant, lowering: str):
     else:
         routing_args = _softmax_args
 
+    if variant.params.get("shared_gate"):
+
+        def replace_with_gate(hidden, router_weight, gate_weight, *args):
+            logits_dtype = _logits_dtype(variant, router_weight.dtype)
+            weights, ids, _, gate = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype,
+                                           gate_weight)  # fmt: skip
+            return weights, ids, gate
+
+        return replace_with_gate
+
     if variant.params.get("gemm"):
 
         def replace_with_gemm(hidden, router_weight, *args):
             logits_dtype = _logits_dtype(variant, router_weight.dtype)
-            weights, ids, _ = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype)
+            weights, ids, _, _ = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype)
             return weights, ids
 
         return replace_with_gemm

@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-5"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-6"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -281,7 +281,7 @@ def test_rejects_bad_outputs():
 from fusion_compiler.ops.moe_route import _ROUTER_ARG_NAMES, moe_router_reference  # noqa: E402
 
 
-def router_args(c: dict, hidden_size: int, duplicate_rows: bool) -> tuple:
+def router_args(c: dict, hidden_size: int, duplicate_rows: bool, gate: bool = False) -> tuple:
     gen = torch.Generator().manual_seed(c["seed"])
     t, e = c["tokens"], c["experts"]
     hidden = torch.randint(-3, 4, (t, hidden_size), generator=gen).float() / 8
@@ -296,9 +296,10 @@ def router_args(c: dict, hidden_size: int, duplicate_rows: bool) -> tuple:
         if duplicate_rows:
             bias = torch.tensor(TIE_BIAS)[torch.randint(0, len(TIE_BIAS), (e // per,), generator=gen)].repeat_interleave(per)
     in_dtype = torch.bfloat16 if c["logits_dtype"] == torch.float32 else c["logits_dtype"]
+    gate_weight = (torch.randint(-3, 4, (1, hidden_size), generator=gen).float() / 8).to(in_dtype).to(DEVICE) if gate else None
     return (hidden.to(in_dtype).to(DEVICE), weight.to(in_dtype).to(DEVICE), None if bias is None else bias.to(DEVICE),
             c["top_k"], c["n_group"], c["topk_group"], c["scoring"], c["renormalize"], c["renorm_eps"], c["scale"],
-            c["weights_dtype"], c["logits_dtype"])
+            c["weights_dtype"], c["logits_dtype"], gate_weight)
 
 
 @contextlib.contextmanager
@@ -319,16 +320,23 @@ def run_router_kernel(args: tuple):
     lbuf = torch.full((t + 2, e), float("nan"), dtype=named["logits_dtype"], device=DEVICE)
     wbuf = torch.full((t + 2, k), float("nan"), dtype=named["weights_dtype"], device=DEVICE)
     ibuf = torch.full((t + 2, k), -1, dtype=torch.int64, device=DEVICE)
-    K.moe_router_fwd(named, hidden, weight, lbuf[1 : t + 1], wbuf[1 : t + 1], ibuf[1 : t + 1])
-    for buf in (lbuf, wbuf):
+    gate_weight = named.get("gate_weight")
+    gbuf = torch.full((t + 2, 1), float("nan"), dtype=hidden.dtype, device=DEVICE) if gate_weight is not None else None
+    K.moe_router_fwd(named, hidden, weight, lbuf[1 : t + 1], wbuf[1 : t + 1], ibuf[1 : t + 1],
+                     gate_weight=gate_weight, gate=None if gbuf is None else gbuf[1 : t + 1])
+    for buf in (lbuf, wbuf) + (() if gbuf is None else (gbuf,)):
         assert torch.isnan(buf[0]).all() and torch.isnan(buf[-1]).all(), "written out of bounds"
     assert (ibuf[0] == -1).all() and (ibuf[-1] == -1).all(), "ids written out of bounds"
-    return wbuf[1 : t + 1], ibuf[1 : t + 1], lbuf[1 : t + 1]
+    gate = None if gbuf is None else gbuf[1 : t + 1]
+    return wbuf[1 : t + 1], ibuf[1 : t + 1], lbuf[1 : t + 1], gate
 
 
 def assert_router_matches_reference(args: tuple):
-    weights, ids, logits = run_router_kernel(args)
-    ref_w, ref_ids, ref_logits = moe_router_reference(*args)
+    weights, ids, logits, gate = run_router_kernel(args)
+    ref_w, ref_ids, ref_logits, ref_gate = moe_router_reference(*args)
+    if gate is not None:  # exact logit; sigmoid's exp may differ from torch's in the last bit
+        g, rg = gate.cpu(), ref_gate.cpu()
+        assert ((g.view(INT_VIEW[g.dtype]).int() - rg.view(INT_VIEW[rg.dtype]).int()).abs() <= 1).all(), (g, rg)
     assert torch.equal(logits.cpu(), ref_logits.cpu()), "logits differ from F.linear's (exact inputs)"
     assert torch.equal(ids.cpu(), ref_ids.cpu()), f"ids differ:\n{ids}\nvs reference\n{ref_ids}"
     if weights.dtype == torch.float32:
@@ -351,7 +359,7 @@ def router_configs(draw):
 @given(c=router_configs())
 def test_router_gemm_tie_free_matches_reference(c):
     args = router_args(c, c["hidden_size"], duplicate_rows=False)
-    _, _, ref_logits = moe_router_reference(*args)
+    ref_logits = moe_router_reference(*args)[2]
     assume(ranking_gaps_ok((ref_logits,) + args[2:8]))
     with fused_up_to(16 if c["fused"] else 0):
         assert_router_matches_reference(args)
@@ -404,3 +412,12 @@ def test_router_gemm_hidden_splits(monkeypatch, tokens):
     args = router_args(c, 300, duplicate_rows=True)
     args = (args[0].float(), args[1].float()) + args[2:]
     assert_router_matches_reference(args)
+
+
+@pytest.mark.parametrize("tokens, fused", [(3, True), (3, False), (21, False)])
+def test_router_gemm_with_the_shared_expert_gate(tokens, fused):
+    """Qwen's shared-expert gate as one more GEMM column: sigmoid(F.linear(hidden, gate_weight))."""
+    c = dict(tokens=tokens, experts=64, n_group=1, topk_group=1, top_k=10, scoring=1, has_bias=False, renormalize=True,
+             renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=5)
+    with fused_up_to(16 if fused else 0):
+        assert_router_matches_reference(router_args(c, 100, duplicate_rows=True, gate=True))

@@ -71,8 +71,11 @@ def test_every_router_of_the_model_fuses(name):
     report = backend.report
     assert report.missing_expected() == []
     assert report.per_module(FAMILY) == expected[FAMILY]
-    # The MoE block drops the router logits, so every router fuses with its GEMM.
-    gemm_form = {"deepseek-v3.2": "sigmoid_bias_grouped+fp32_gemm", "minimax-m2.5": "sigmoid_bias+gemm", "qwen3.5": "softmax+gemm"}
+    # The MoE block drops the router logits, so every router fuses with its GEMM. (Qwen's
+    # shared-expert gate does not join here: at 1 token on CPU, Inductor's mem-bound-mm pass
+    # turns its [1, H] x [H, 1] GEMM into mul + sum; test_hf_qwen_moe_block_fuses_its_shared_gate.)
+    gemm_form = {"deepseek-v3.2": "sigmoid_bias_grouped+fp32_gemm", "minimax-m2.5": "sigmoid_bias+gemm",
+                 "qwen3.5": "softmax+gemm"}  # fmt: skip
     from fusion_compiler.patterns.moe_routing import VARIANTS
 
     routing_variants = {v.name for v in VARIANTS}
@@ -255,3 +258,45 @@ def test_online_softmax_without_a_top_k_keeps_its_online_form():
     targets = {n.target for n in gm.graph.nodes}
     assert torch.ops.prims.prepare_softmax_online.default in targets
     assert torch.ops.aten.amax.default not in targets
+
+
+class SharedExpertBlock(torch.nn.Module):
+    """Qwen3.5's routing + shared expert, written out; ``gate_bias`` makes the gate an affine
+    layer, which the shared-gate form must not take (the router still fuses with its GEMM)."""
+
+    def __init__(self, gate_bias=False, experts=16, hidden=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+        self.shared = torch.nn.Linear(hidden, hidden, bias=False)
+        self.shared_gate = torch.nn.Linear(hidden, 1, bias=gate_bias)
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        values, ids = torch.topk(probs, 4, dim=-1)
+        values = (values / values.sum(-1, keepdim=True)).to(logits.dtype)
+        shared = torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return values, ids, shared
+
+
+@pytest.mark.parametrize("gate_bias, variant", [(False, "softmax+gemm+shared_gate"), (True, "softmax+fp32_gemm")])
+def test_shared_expert_gate_fuses_into_the_router(gate_bias, variant):
+    report, eager, fused = _compile_router(SharedExpertBlock(gate_bias))
+    assert report.per_variant() == {variant: 1}  # fp32 model: "gemm" and "fp32_gemm" trace alike
+    _assert_same_routing(fused[:2], eager[:2])
+    torch.testing.assert_close(fused[2], eager[2], rtol=1e-5, atol=1e-6)
+
+
+def test_hf_qwen_moe_block_fuses_its_shared_gate():
+    """HF's Qwen3_5MoeSparseMoeBlock at 3 tokens: router GEMM, routing and the shared-expert gate
+    in one op; the block's output equals eager's."""
+    model = get_adapter("qwen3.5").build_hf(size="tiny", layers=4, dtype=torch.bfloat16)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = block(x)
+        fused = torch.compile(block, backend=backend)(x)
+    assert backend.report.per_variant() == {"softmax+gemm+shared_gate": 1}
+    assert relative_error(fused, eager) < 1e-2
