@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ModelAdapter
+from ..base import ModelAdapter
 
 # Real widths (docs/MODELS.md section 1). PITFALL: the hub keys `rope_theta` + `rotary_dim: 64`
 # make transformers 5.17 rope all 128 dims; the explicit `partial_rotary_factor` 0.5 is what gives
