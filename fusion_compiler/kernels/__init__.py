@@ -4,13 +4,14 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
+    from . import gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["mla_prologue"] = (
         f"{mla_kv_prologue.KERNEL_VERSION}+{mla_q_prologue.KERNEL_VERSION}"
     )
     KERNEL_VERSIONS["moe_routing"] = moe_route.KERNEL_VERSION
+    KERNEL_VERSIONS["gqa_prologue"] = gqa_prologue.KERNEL_VERSION
 
 
 try:
@@ -20,3 +21,4 @@ except ImportError:
     KERNEL_VERSIONS["add_rms_norm"] = "triton-missing"
     KERNEL_VERSIONS["mla_prologue"] = "triton-missing"
     KERNEL_VERSIONS["moe_routing"] = "triton-missing"
+    KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"

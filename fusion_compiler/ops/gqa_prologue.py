@@ -21,14 +21,14 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
     q_out        rope(norm(q, q_norm_weight))                      [T, heads, D], q.dtype
     k_cache      at flat slot ``slots[t]`` of [num_blocks * block_size, kv_heads, D]:
                  rope(norm(k, k_norm_weight))[t]; v_cache the same with v[t] (no norm, no RoPE).
-                 FP8 caches store ``value / scale`` rounded to e4m3 (per-tensor k_scale /
-                 v_scale); slot -1 writes nothing.
+                 FP8 caches store ``value / scale`` (correctly rounded), clamped to +-448 and
+                 rounded to e4m3 (per-tensor k_scale / v_scale); slot -1 writes nothing.
 
 One rounding per norm (the add_rms_norm family's contract): HF's ``weight * x.to(dtype)``
 rounds twice, so outputs agree with eager to bf16 tolerance, not bit for bit.
 
-The Triton kernel is not written yet: on CUDA the op raises instead of running the slow
-reference silently. No pattern emits it yet.
+On CUDA the op runs ``kernels/gqa_prologue.py`` (checked under the Triton interpreter; not yet
+run on the GPU). No pattern emits it yet.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .rms_norm import rms_norm_reference
 from .rope import rope_neox_reference
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+FP8_MAX = 448.0
 _CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)
 
 _SCHEMA = (
@@ -99,7 +100,9 @@ def _rope(x, cos, sin, rotary_dim):
 def _write(cache, slots, rows, scale):
     flat = cache.view(-1, *cache.shape[2:])
     keep = slots >= 0
-    values = rows[keep].float() / scale if cache.dtype == torch.float8_e4m3fn else rows[keep]
+    values = rows[keep]
+    if cache.dtype == torch.float8_e4m3fn:
+        values = (values.double() / scale).float().clamp(-FP8_MAX, FP8_MAX)  # division rounded once
     flat[slots[keep]] = values.to(cache.dtype)
 
 
@@ -133,6 +136,10 @@ def _fake(*args):
 
 @_op.register_kernel("cuda")
 def _cuda(*args):
-    raise NotImplementedError(
-        "fusion_compiler::gqa_prologue has no Triton kernel yet (issue 5); nothing should emit it on CUDA"
-    )
+    from fusion_compiler.kernels.gqa_prologue import gqa_prologue_fwd
+
+    heads, _, head_dim = _validate(*args)
+    q = args[0]
+    q_out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
+    gqa_prologue_fwd(*args, q_out)
+    return q_out

@@ -13,7 +13,7 @@ runs it at tensor-parallel size 1 (docs/MODELS.md):
   fp32 with one rounding (vLLM's rotary kernel; HF rounds after each product);
 * a paged KV cache ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V, written at
   ``slot_mapping`` (slot -1 writes nothing), in bf16 or FP8 e4m3 with one per-tensor scale per
-  cache (``value / scale`` rounded to FP8, as vLLM's ``fp8`` kv-cache dtype);
+  cache (``value / scale`` clamped to +-448 and rounded to FP8, as vLLM's ``fp8`` kv-cache dtype);
 * decode attention over each sequence's context through its block table; o_proj.
 
 Everything here is ordinary model code: nothing imports the compiler's ops.
@@ -91,7 +91,7 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, 
     [T, kv_heads, D], divided by ``scale`` and rounded for an FP8 cache."""
     flat = cache.view(-1, *cache.shape[2:])
     keep = slots >= 0
-    rows = values[keep].float() / scale if cache.dtype == FP8 else values[keep]
+    rows = (values[keep].float() / scale).clamp(-448.0, 448.0) if cache.dtype == FP8 else values[keep]
     flat[slots[keep]] = rows.to(cache.dtype)
 
 

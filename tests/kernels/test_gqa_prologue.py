@@ -1,0 +1,101 @@
+"""The GQA prologue kernel (kernels/gqa_prologue.py) against ``gqa_prologue_reference``.
+
+CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py). q/k/v are column slices of one fused
+qkv tensor (row stride > width), caches are poisoned outside the written slots and checked
+unchanged there, slots include -1. Outputs: bf16 equal to the reference except a few elements
+one ulp apart (rsqrt's last bit), FP8 codes equal except a few one code apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_fixtures import DEVICE, INT_VIEW, assert_fp8_close, skip_unless_kernels_can_run
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+skip_unless_kernels_can_run()
+
+from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
+from fusion_compiler.kernels import gqa_prologue as K  # noqa: E402
+from fusion_compiler.ops.gqa_prologue import gqa_prologue_reference  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cos_sin(max_pos, rot, gen):
+    angles = torch.rand(max_pos, rot // 2, generator=gen) * 6.28
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+
+
+def _assert_bf16_close(out, ref, what):
+    a, b = out.cpu().view(INT_VIEW[out.dtype]).int(), ref.cpu().view(INT_VIEW[ref.dtype]).int()
+    diff = (a - b).abs()
+    assert int((diff > 0).sum()) <= max(2, a.numel() // 100), f"{what}: {int((diff > 0).sum())} of {a.numel()} differ"
+    assert int(diff.max()) <= 1, f"{what}: differs by more than one ulp"
+
+
+def _run(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    t, hq, hkv, d, rot = c["tokens"], c["kv_heads"] * c["group"], c["kv_heads"], c["head_dim"], c["rotary_dim"]
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d + 8, generator=gen) * 2).bfloat16().to(DEVICE)
+    q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d : (hq + 2 * hkv) * d]
+    width_q, width_k = (hq * d, hkv * d) if c["full_width"] else (d, d)
+    qw = (torch.randn(width_q, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
+    kw = (torch.randn(width_k, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
+    blocks, block_size = 3 + t, 4
+    cache_dtype = FP8 if c["fp8"] else torch.bfloat16
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=gen).to(cache_dtype).to(DEVICE)
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=gen).to(cache_dtype).to(DEVICE)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:t]
+    slots[torch.rand(t, generator=gen) < 0.25] = -1
+    positions = torch.randint(0, 64, (t,), generator=gen)
+    table = _cos_sin(64, rot, gen)
+    args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], table, positions.to(DEVICE), rot)
+    tail = (slots.to(DEVICE), 0.5, 0.25)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
+    q_out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out)
+    _assert_bf16_close(q_out, q_ref, "q_out")
+    for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
+        if c["fp8"]:
+            assert_fp8_close(got, want, name)
+        else:
+            _assert_bf16_close(got, want, name)
+
+
+@st.composite
+def configs(draw):
+    head_dim = draw(st.sampled_from([16, 32, 48]))
+    return dict(
+        tokens=draw(st.integers(1, 5)), kv_heads=draw(st.sampled_from([1, 2, 3])), group=draw(st.sampled_from([1, 2, 3])),
+        head_dim=head_dim, rotary_dim=draw(st.sampled_from([r for r in (8, 16, head_dim) if r <= head_dim])),
+        full_width=draw(st.booleans()), offset=draw(st.booleans()), fp8=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(c=configs())
+def test_kernel_matches_reference(c):
+    _run(c)
+
+
+@pytest.mark.parametrize("model", ["minimax", "qwen"])
+def test_model_layouts(model):
+    """MiniMax: 6 q / 2 kv heads of 64, full-width norm, RoPE on 32 of 64 (the tiny layout of
+    48 / 8 x 128, 64 of 128); Qwen3.5: per-head Gemma norm, RoPE on 16 of 64 (1/4, like 64 of 256)."""
+    c = dict(tokens=4, kv_heads=2, group=3, head_dim=64, seed=7, fp8=False)
+    if model == "minimax":
+        c.update(rotary_dim=32, full_width=True, offset=False)
+    else:
+        c.update(rotary_dim=16, full_width=False, offset=True)
+    _run(c)
+    _run({**c, "fp8": True})
+
+
+def test_kernel_version_registered():
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-1"
