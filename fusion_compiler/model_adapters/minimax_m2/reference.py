@@ -12,7 +12,7 @@ runs it at tensor-parallel size 1 (docs/MODELS.md):
   ``cos_sin_cache`` [max_position, rotary_dim] table (cos | sin halves) at ``positions``, in
   fp32 with one rounding (vLLM's rotary kernel; HF rounds after each product);
 * a paged KV cache ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V, written at
-  ``slot_mapping`` (slot -1 writes nothing), in bf16 or FP8 e4m3 with one per-tensor scale per
+  ``slot_mapping``, in bf16 or FP8 e4m3 with one per-tensor scale per
   cache (``value / scale`` clamped to +-448 and rounded to FP8, as vLLM's ``fp8`` kv-cache dtype);
 * decode attention over each sequence's context through its block table; o_proj.
 
@@ -87,12 +87,12 @@ def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot
 
 
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
-    """cache [blocks, block_size, kv_heads, D] at flat ``slots`` [T] (-1: skipped) <- values
-    [T, kv_heads, D], divided by ``scale`` and rounded for an FP8 cache."""
-    flat = cache.view(-1, *cache.shape[2:])
-    keep = slots >= 0
-    rows = (values[keep].float() / scale).clamp(-448.0, 448.0) if cache.dtype == FP8 else values[keep]
-    flat[slots[keep]] = rows.to(cache.dtype)
+    """cache [blocks, block_size, kv_heads, D] at flat ``slots`` [T] <- values [T, kv_heads, D],
+    divided by ``scale``, clamped and rounded for an FP8 cache. As the DeepSeek reference, an
+    ``index_put_`` (compiles without data-dependent shapes); every slot must be valid here (the
+    fused op also skips vLLM's padding slot -1, which index_put_ would wrap to the last row)."""
+    rows = (values.float() / scale).clamp(-448.0, 448.0) if cache.dtype == FP8 else values
+    cache.view(-1, *cache.shape[2:]).index_put_((slots,), rows.to(cache.dtype))
 
 
 def read_cache(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
