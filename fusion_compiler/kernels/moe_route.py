@@ -1,4 +1,4 @@
-"""MoE routing (router logits -> top-k weights and expert ids): one Triton kernel and its launcher.
+"""MoE routing (router GEMM and logits -> top-k weights and expert ids): Triton kernels and launchers.
 
 Semantics (the reference is ``fusion_compiler.ops.moe_route.moe_route_reference``; this file
 must match it):
@@ -30,6 +30,7 @@ Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd
 GEMM (``_router_gemm_kernel``: tl.dot tiles, the hidden dim split so ~128 programs stream the
 router weight, fp32 partial sums) and the routing kernel, which sums them; or, up to
 ``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last GEMM program sums them and routes.
+Qwen3.5's shared-expert gate ``sigmoid(hidden . gate_weight)`` rides along as GEMM column E.
 
 Math in fp32: sigmoid is ``1 / (1 + exp(-x))`` and softmax ``exp(x - max) / sum`` with
 correctly rounded divisions (``div_rn``: plain ``/`` is approximate on the GPU), and the
