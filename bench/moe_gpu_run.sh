@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for issue 4: the routing kernels' tests on CUDA, the fused router at real
-# widths (correctness, GEMM split, launch shape), the routing bench, and inspect on HF DeepSeek
-# V3.2 at real widths. Results in $OUT/moe_results.tgz (the device returns at most 8 files).
+# One device call for issue 4: the routing kernels' tests on CUDA (the gate column included),
+# the router at real widths (correctness, one launch vs two per token count -> the split, launch
+# shape, cuBLAS, routing warps), the routing bench, and inspect on HF DeepSeek V3.2 at real
+# widths. Results in $OUT/moe_results.tgz (the device returns at most 8 files). About 5 min.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -8,9 +8,9 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
           error; per token, ids equal to the reference's routing *of the kernel's own logits*
           (so only ulp-level exp/sigmoid differences remain), and ids vs the cuBLAS-logits
           reference as sets, with differing tokens classified by the score gap they straddle;
-  split   per token count 1..256, kernels and CUDA-graph µs of ours (one launch up to
-          FUSED_GEMM_MAX_TOKENS, else GEMM + routing), of ours forced to two launches, and of
-          cuBLAS + the routing kernel;
+  split   per token count 1..256, kernels and CUDA-graph µs of ours as shipped (one launch up
+          to FUSED_GEMM_MAX_TOKENS, else GEMM + routing), of both forms at <= 16 tokens, and of
+          cuBLAS + the routing kernel: what FUSED_GEMM_MAX_TOKENS should be;
   shape   the GEMM launch's program target / split cap alternatives at 1 and 16 tokens;
   cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
           (W @ h^T)^T (cuBLAS picks split-K, two kernels, for these skinny shapes);
@@ -127,12 +127,14 @@ def main():
             entry = {"tokens": t, "ours_kernels": count_cuda_kernels(lambda: _fused(a)).count,
                      "ours_us": common.graph_time_us(lambda i: _fused(a), 1),
                      "cublas_plus_route_us": common.graph_time_us(lambda i: _cublas(a), 1)}
-            if t <= limit:
-                K.FUSED_GEMM_MAX_TOKENS = 0
-                try:
-                    entry["ours_two_launches_us"] = common.graph_time_us(lambda i: _fused(a), 1)
-                finally:
-                    K.FUSED_GEMM_MAX_TOKENS = limit
+            if t <= 16:  # both forms, whatever the shipped split (FUSED_GEMM_MAX_TOKENS)
+                for label, split_at in (("one_launch", 16), ("two_launches", 0)):
+                    K.FUSED_GEMM_MAX_TOKENS = split_at
+                    try:
+                        entry[f"{label}_kernels"] = count_cuda_kernels(lambda: _fused(a)).count
+                        entry[f"{label}_us"] = common.graph_time_us(lambda i: _fused(a), 1)
+                    finally:
+                        K.FUSED_GEMM_MAX_TOKENS = limit
             split.append(entry)
             print(name, entry, flush=True)
         row["split"] = split
