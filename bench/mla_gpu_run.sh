@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issue 3: the kernels against their references at real widths and
 # layouts, the region bench, and `fusion-compiler inspect` on HF DeepSeek V3.2 at real widths.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source bench/device_setup.sh "$OUT"
 timeout 120 python3 bench/mla_kernel_check.py > "$OUT/mla_kernel_check.log" 2>&1; grep -c "bit-equal" "$OUT/mla_kernel_check.log"; grep "q op" "$OUT/mla_kernel_check.log"
 timeout 300 python3 bench/mla_prologue.py --out "$OUT/mla_prologue_h200.json" > "$OUT/mla_bench_full.log" 2>&1
 grep "^T=\|ours kernels" "$OUT/mla_bench_full.log" | cut -c1-420 | tail -n 20

@@ -3,13 +3,9 @@
 # the router at real widths (correctness, one launch vs two per token count -> the split, launch
 # shape, cuBLAS, routing warps), the routing bench, and inspect on HF DeepSeek V3.2 at real
 # widths. Results in $OUT/moe_results.tgz (the device returns at most 8 files). About 5 min.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 R=$OUT/moe_results
-mkdir -p "$R"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$R/versions.log"
+source bench/device_setup.sh "$R"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route.py 2>&1 | tail -n 15 | tee "$R/moe_kernel_tests_cuda.log"
 timeout 150 python3 bench/moe_router_check.py --out "$R/moe_router_check_h200.json" > "$R/moe_router_check.log" 2>&1; grep -v "^ *$" "$R/moe_router_check.log" | cut -c1-300 | tail -n 60
 timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 30

@@ -22,13 +22,12 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-1"
+KERNEL_VERSION = "gqa_prologue-2"
 
 
 @triton.jit
-def _normed(X, W, lanes, mask, rstd, w_index, weight_offset, OUT_DTYPE: tl.constexpr):
+def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
     """x * rstd * (w + weight_offset) rounded to OUT_DTYPE, back in fp32."""
-    x = upcast(tl.load(X + lanes, mask=mask, other=0.0))
     w = upcast(tl.load(W + w_index, mask=mask, other=0.0)) + weight_offset
     return round_trip(x * rstd * w, OUT_DTYPE)
 
@@ -48,10 +47,10 @@ def _norm_rope(X, W, COS_SIN, pos, heads, eps, weight_offset,
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         w_self, w_base = d, 0 * h
-    w = upcast(tl.load(W + w_self, mask=mask, other=0.0)) + weight_offset
-    normed = round_trip(x * rstd * w, OUT_DTYPE)
+    normed = _normed(x, W, w_self, mask, rstd, weight_offset, OUT_DTYPE)
     partner, pair, first = rope_neox_lanes(d, ROT // 2)
-    normed_p = _normed(X, W, h * D + partner, mask, rstd, w_base + partner, weight_offset, OUT_DTYPE)
+    x_p = upcast(tl.load(X + h * D + partner, mask=mask, other=0.0))
+    normed_p = _normed(x_p, W, w_base + partner, mask, rstd, weight_offset, OUT_DTYPE)
     c = tl.load(COS_SIN + pos * ROT + pair, mask=d < ROT, other=1.0)
     s = tl.load(COS_SIN + pos * ROT + ROT // 2 + pair, mask=d < ROT, other=0.0)
     return tl.where(d < ROT, round_trip(rotate(normed, normed_p, c, s, first), OUT_DTYPE), normed)

@@ -56,11 +56,12 @@ import triton.language as tl
 from ._device import INTERPRETER_BIT_CASTS
 from ._device import downcast as _downcast
 from ._device import launch_on_device
+from ._device import round_trip as _round_trip
 from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-6"
+KERNEL_VERSION = "moe_route-7"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,6 +104,16 @@ def _load_logits(ptrs, mask, CACHE_GLOBAL: tl.constexpr):
 
 
 @triton.jit
+def _sum_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr):
+    """Sum of the SPLIT fp32 partial GEMMs at ``offsets``, in split order (other programs or
+    launches wrote them: read through L2)."""
+    total = tl.zeros(offsets.shape, dtype=tl.float32)
+    for part in tl.static_range(SPLIT):
+        total += tl.load(PARTIALS + part * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, renorm_eps, scale,
                 PARTIALS, stride_ps, stride_pt,
                 GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -123,10 +134,7 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
     lanes = valid & row_mask[:, None, None]
     row_base = LOGITS + rows[:, None, None] * stride_lt
     if SPLIT > 0:
-        x = tl.zeros(lanes.shape, dtype=tl.float32)
-        for part in tl.static_range(SPLIT):
-            x += tl.load(PARTIALS + part * stride_ps + rows[:, None, None] * stride_pt + e, mask=lanes,
-                         other=0.0, cache_modifier=".cg")
+        x = _sum_partials(PARTIALS, rows[:, None, None] * stride_pt + e, lanes, stride_ps, SPLIT)
         rounded = _downcast(x, LOGITS.dtype.element_ty)
         tl.store(row_base + e * stride_le, rounded, mask=lanes)
         x = _upcast(rounded)
@@ -179,12 +187,8 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
 def _store_gate(PARTIALS, GATE, rows, row_mask, stride_ps, stride_pt, stride_g, column,
                 SPLIT: tl.constexpr):
     """gate = sigmoid(the gate row's logit, rounded to GATE's dtype), from the split partials."""
-    logit = tl.zeros(rows.shape, dtype=tl.float32)
-    for part in tl.static_range(SPLIT):
-        logit += tl.load(PARTIALS + part * stride_ps + rows * stride_pt + column, mask=row_mask,
-                         other=0.0, cache_modifier=".cg")
-    rounded = _upcast(_downcast(logit, GATE.dtype.element_ty))
-    gate = tl.math.div_rn(tl.full(rounded.shape, 1.0, tl.float32), 1.0 + tl.exp(-rounded))
+    logit = _sum_partials(PARTIALS, rows * stride_pt + column, row_mask, stride_ps, SPLIT)
+    gate = _scores(_round_trip(logit, GATE.dtype.element_ty), 0.0, 0.0, 0)  # sigmoid
     tl.store(GATE + rows * stride_g, _downcast(gate, GATE.dtype.element_ty), mask=row_mask)
 
 
@@ -333,8 +337,9 @@ def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int
     return block_t, block_e, block_k, k_steps, split, 4
 
 
-def _routing_meta(named: dict, experts: int) -> dict:
-    """Checked routing scalars -> the kernels' routing constexprs."""
+def _routing_meta(named: dict, experts: int) -> tuple[dict, int]:
+    """Checked routing scalars -> (the kernels' routing constexprs, the routing kernel's
+    num_warps)."""
     top_k, n_group, topk_group = int(named["top_k"]), int(named["n_group"]), int(named["topk_group"])
     scoring = int(named["scoring"])
     bias = named["bias"]
@@ -353,12 +358,13 @@ def _routing_meta(named: dict, experts: int) -> dict:
         available = experts
     if not 1 <= top_k <= available:
         raise ValueError(f"top_k {top_k} must be in [1, {available}]")
-    g_pad, gs_pad, k_pad, _ = launch_config(experts, n_group, top_k)
-    return dict(
+    g_pad, gs_pad, k_pad, num_warps = launch_config(experts, n_group, top_k)
+    meta = dict(
         GROUP_SIZE=experts // n_group, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
         G_PAD=g_pad, GS_PAD=gs_pad, K_PAD=k_pad, SCORING=scoring, HAS_BIAS=bias is not None,
         RENORMALIZE=bool(named["renormalize"]),
     )
+    return meta, num_warps
 
 
 def _check_outputs(weights: torch.Tensor, ids: torch.Tensor, tokens: int, top_k: int) -> None:
@@ -383,14 +389,13 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
     if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
         raise ValueError(f"logits must be [T, E] fp32/bf16/fp16, got {tuple(logits.shape)} {logits.dtype}")
     tokens, experts = logits.shape
-    meta = _routing_meta(named, experts)
+    meta, num_warps = _routing_meta(named, experts)
     _check_outputs(weights, ids, tokens, meta["TOP_K"])
     tensors = [logits, weights, ids] + ([bias] if bias is not None else [])
     if any(t.device != logits.device for t in tensors):
         raise ValueError(f"all tensors must be on {logits.device}")
     if tokens == 0:
         return
-    num_warps = launch_config(experts, meta["N_GROUP"], meta["TOP_K"])[3]
     bias_arg = bias if bias is not None else logits  # dummy, never read without HAS_BIAS
 
     def _launch():
@@ -456,7 +461,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
             raise ValueError(f"{name} {t.dtype} does not widen exactly to the {logits.dtype} logits")
     if logits.stride(-1) != 1:
         raise ValueError(f"logits must have unit stride on the expert dim, got {logits.stride()}")
-    meta = _routing_meta(named, experts)
+    meta, route_warps = _routing_meta(named, experts)
     _check_outputs(weights, ids, tokens, meta["TOP_K"])
     bias = named["bias"]
     tensors = [hidden, router_weight, logits, weights, ids] + ([bias] if bias is not None else [])
@@ -507,7 +512,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
                 weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
                 partials.stride(0), partials.stride(1), stride_g,
                 float(named["renorm_eps"]), float(named["scale"]),
-                num_warps=launch_config(experts, meta["N_GROUP"], meta["TOP_K"])[3], SPLIT=split,
+                num_warps=route_warps, SPLIT=split,
                 HAS_GATE=has_gate, **meta,
             )
 

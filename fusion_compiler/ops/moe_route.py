@@ -176,6 +176,16 @@ def _routing_args(named: dict) -> tuple:
     return tuple(named[n] for n in _ARG_NAMES[1:])
 
 
+def widening_reason(name: str, dtype: torch.dtype, logits_dtype: torch.dtype) -> str | None:
+    """Why a router-GEMM operand cannot feed ``logits_dtype`` logits (None when it can): it must
+    be a float of that dtype or a narrower one (an exact widening)."""
+    if dtype not in _FLOATS:
+        return f"{name} is {dtype}, not fp32/bf16/fp16"
+    if dtype != logits_dtype and dtype.itemsize >= logits_dtype.itemsize:
+        return f"{name} ({dtype}) does not widen exactly to the {logits_dtype} logits"
+    return None
+
+
 def _validate_router(*args) -> dict:
     named = router_args(args)
     hidden, router_weight, logits_dtype = named["hidden"], named["router_weight"], named["logits_dtype"]
@@ -187,9 +197,9 @@ def _validate_router(*args) -> dict:
     if logits_dtype not in _FLOATS:
         raise ValueError(f"logits_dtype {logits_dtype} not supported")
     for name, t in (("hidden", hidden), ("router_weight", router_weight)):
-        require_dtype(t, _FLOATS, name)
-        if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
-            raise ValueError(f"{name} {t.dtype} does not widen exactly to the {logits_dtype} logits")
+        reason = widening_reason(name, t.dtype, logits_dtype)
+        if reason:
+            raise ValueError(reason)
     gate_weight = named["gate_weight"]
     if gate_weight is not None:
         require_shape(gate_weight, (1, hidden.shape[1]), "gate_weight")

@@ -48,7 +48,6 @@ _TOKENS = 2
 _HIDDEN = 1117
 _RENORM_EPS = 1.2345e-21
 _SCALE = 2.3456
-_SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE}
 
 
 def sigmoid_bias(logits, bias, top_k):
@@ -91,19 +90,27 @@ def gemm(hidden, router_weight):
 GEMMS: dict[str, Callable] = {"fp32_gemm": fp32_gemm, "gemm": gemm}
 
 
+def _signed(fn: Callable, params: list) -> Callable:
+    """Give ``fn`` (which takes ``*args``) named positional parameters (names or
+    ``inspect.Parameter``s): Inductor reads a pattern's argument names from its signature."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    fn.__signature__ = inspect.Signature(
+        [p if isinstance(p, inspect.Parameter) else inspect.Parameter(p, positional) for p in params]
+    )
+    return fn
+
+
+def _params(fn: Callable) -> list:
+    return list(inspect.signature(fn).parameters.values())
+
+
 def _with_router_gemm(route: Callable, router_gemm: Callable) -> Callable:
     """``route`` with its logits computed by ``router_gemm`` from (hidden, router_weight)."""
 
     def search(hidden, router_weight, *route_args):
         return route(router_gemm(hidden, router_weight), *route_args)
 
-    # Inductor reads the pattern's argument names from the signature.
-    params = list(inspect.signature(route).parameters.values())[1:]
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    search.__signature__ = inspect.Signature(
-        [inspect.Parameter("hidden", positional), inspect.Parameter("router_weight", positional), *params]
-    )
-    return search
+    return _signed(search, ["hidden", "router_weight", *_params(route)[1:]])
 
 
 def _with_shared_gate(search: Callable) -> Callable:
@@ -114,10 +121,8 @@ def _with_shared_gate(search: Callable) -> Callable:
         weights, ids = search(hidden, router_weight, *route_args)
         return weights, ids, torch.sigmoid(torch.nn.functional.linear(hidden, gate_weight))
 
-    params = list(inspect.signature(search).parameters.values())
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    gated.__signature__ = inspect.Signature([*params[:2], inspect.Parameter("gate_weight", positional), *params[2:]])
-    return gated
+    params = _params(search)
+    return _signed(gated, [*params[:2], "gate_weight", *params[2:]])
 
 
 ROUTES = (
@@ -201,9 +206,6 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
 
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
-    # torch 2.11 hands the guard the re-traced match, whose scalars are literals, not kwargs:
-    # there the graph's own constants stand in (the re-traced pattern matched them already).
-    values = {**{name: values.get(f"graph_{name}") for name in _SCALARS}, **values}
     if variant.params.get("gemm"):
         reason = _gemm_reason(values, variant)
         if reason:
@@ -246,10 +248,9 @@ def _gemm_reason(values, variant: Variant) -> Reason:
         return f"router GEMM of {tuple(hidden.shape)} by {tuple(weight.shape)}^T"
     logits_dtype = _logits_dtype(variant, weight.dtype)
     for name, t in (("hidden", hidden), ("router_weight", weight)):
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"the router GEMM's {name} is {t.dtype}"
-        if t.dtype != logits_dtype and t.element_size() >= torch.empty((), dtype=logits_dtype).element_size():
-            return f"the router GEMM's {name} ({t.dtype}) does not widen exactly to the {logits_dtype} logits"
+        reason = route_ops.widening_reason(f"the router GEMM's {name}", t.dtype, logits_dtype)
+        if reason:
+            return reason
     if variant.params.get("shared_gate"):
         gate = values.get("gate_weight")
         if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (1, hidden.shape[1]):
@@ -309,22 +310,15 @@ def replacement(variant: Variant, lowering: str):
     else:
         routing_args = _softmax_args
 
-    if variant.params.get("shared_gate"):
+    if variant.params.get("gemm"):
+        gated = bool(variant.params.get("shared_gate"))
 
-        def replace_with_gate(hidden, router_weight, gate_weight, *args):
+        def replace_with_gemm(hidden, router_weight, *args):
+            gate_weight, args = (args[0], args[1:]) if gated else (None, args)
             logits_dtype = _logits_dtype(variant, router_weight.dtype)
             weights, ids, _, gate = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype,
                                            gate_weight)  # fmt: skip
-            return weights, ids, gate
-
-        return replace_with_gate
-
-    if variant.params.get("gemm"):
-
-        def replace_with_gemm(hidden, router_weight, *args):
-            logits_dtype = _logits_dtype(variant, router_weight.dtype)
-            weights, ids, _, _ = router(hidden, router_weight, *routing_args(logits_dtype, *args), logits_dtype)
-            return weights, ids
+            return (weights, ids, gate) if gated else (weights, ids)
 
         return replace_with_gemm
 
@@ -369,7 +363,7 @@ FAMILY = Family(
     variants=VARIANTS,
     dtype_combos=DTYPE_COMBOS,
     example_inputs=example_inputs,
-    scalars=_SCALARS,
+    scalars={"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE},
     guard=guard,
     replacement=replacement,
     facts_of=facts_of,

@@ -86,13 +86,20 @@ _active: list[MatchRecorder] = []
 
 
 def _match_values(family: Family, match: _compat.Match) -> dict[str, Any]:
-    """Match kwargs with nodes replaced by their fake values; scalars stay as they are."""
+    """Match kwargs with nodes replaced by their fake values; scalars stay as they are.
+
+    torch 2.11 hands the check the re-traced match, whose scalars are literals, not kwargs: a
+    family scalar missing there takes the graph's own constant, ``facts["graph_<name>"]``,
+    where ``facts_of`` reads one (the re-traced pattern matched that literal already)."""
     out: dict[str, Any] = family.facts_of(match.nodes, match.kwargs)
     for name, value in match.kwargs.items():
         if isinstance(value, torch.fx.Node):
             out[name] = _compat.fake_value(value) if "val" in value.meta else value
         else:
             out[name] = value
+    for name in family.scalars:
+        if name not in match.kwargs and f"graph_{name}" in out:
+            out[name] = out[f"graph_{name}"]
     return out
 
 
