@@ -61,7 +61,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-7"
+KERNEL_VERSION = "moe_route-8"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -310,14 +310,13 @@ def launch_config(experts: int, n_group: int, top_k: int) -> tuple[int, int, int
 # Up to this many tokens the router GEMM and the routing are one launch (the GEMM's last program
 # routes); above it, the GEMM launch writes partial sums and the routing kernel (one program per
 # token) sums them: two launches.  The fused launch takes at most one token tile (BLOCK_T 16).
-# 0 (never fused) from the H200 (moe_route-4, results/moe_router_check_h200.json, µs in CUDA
-# graphs): two launches took 8.4-9.6 / 7.3-7.7 / 10.1-10.4 µs (DeepSeek / MiniMax / Qwen3.5) at
-# 1-64 tokens, against cuBLAS + routing's 10.7-12.0 / 11.3-12.0 / 12.2-12.8 (three kernels);
-# the one-launch form took 23-35 µs at every token count, because its last program routed a
-# 16-row tile.  It now routes next_power_of_2(T) rows, which has not run on the GPU yet:
-# measure it against two launches before raising this (moe_route-3's one-launch GEMM, which
-# routed T rows, took 5.5-7.4 µs at 1 token).
-FUSED_GEMM_MAX_TOKENS = 0
+# 1 from the H200 (moe_route-7, session 4, results/moe_router_check_h200.json, µs in CUDA graphs,
+# DeepSeek / MiniMax / Qwen3.5): one launch 7.96 / 7.24 / 9.20 at 1 token against two launches'
+# 8.69 / 7.29 / 10.05; at 2 tokens 8.73 / 8.28 / 10.33 against 8.79 / 7.20 / 10.66; at 4 tokens
+# 9.9 / 8.8 / 13.3 against 8.7 / 7.3 / 10.0, and 29.8 / 23.8 / 36.1 at 16.  The last program
+# routes its rows as one [next_power_of_2(T), E] tile after every GEMM program is done, so its
+# tail grows with the tokens while two launches route one token per program.
+FUSED_GEMM_MAX_TOKENS = 1
 _TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the router weight
 _MAX_SPLIT = 8
 

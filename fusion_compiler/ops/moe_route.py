@@ -256,7 +256,9 @@ def _router_cuda(*args):
     logits = torch.empty((tokens, experts), dtype=named["logits_dtype"], device=hidden.device)
     gate = torch.empty((tokens, 0 if gate_weight is None else 1), dtype=hidden.dtype, device=hidden.device)
     unit = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (hidden, router_weight, gate_weight)]
-    moe_router_fwd(named, unit[0], unit[1], logits, weights, ids, gate_weight=unit[2], gate=gate)
+    # The kernel takes the gate output only with its weight; the empty [T, 0] one is the op's shape.
+    moe_router_fwd(named, unit[0], unit[1], logits, weights, ids, gate_weight=unit[2],
+                   gate=None if gate_weight is None else gate)
     return weights, ids, logits, gate
 
 

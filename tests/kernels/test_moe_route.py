@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-7"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-8"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -421,3 +421,21 @@ def test_router_gemm_with_the_shared_expert_gate(tokens, fused):
              renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=5)
     with fused_up_to(16 if fused else 0):
         assert_router_matches_reference(router_args(c, 100, duplicate_rows=True, gate=True))
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_op_device_body_with_and_without_the_gate(gate):
+    """The op's CUDA registration (allocation, gate plumbing) run on this tier's tensors: the
+    kernel tests above call the launcher directly and would not see a mistake in between."""
+    from fusion_compiler.ops.moe_route import _router_cuda
+
+    c = dict(tokens=3, experts=64, n_group=1, topk_group=1, top_k=10, scoring=1, has_bias=False, renormalize=True,
+             renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=5)
+    args = router_args(c, 100, duplicate_rows=False, gate=gate)
+    weights, ids, logits, gate_out = _router_cuda(*args)
+    ref_w, ref_ids, ref_logits, ref_gate = moe_router_reference(*args)
+    assert torch.equal(logits.cpu(), ref_logits.cpu()) and torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-2, atol=0)
+    assert gate_out.shape == (3, 1 if gate else 0)
+    if gate:
+        torch.testing.assert_close(gate_out.cpu(), ref_gate.cpu(), rtol=1e-2, atol=0)
