@@ -8,10 +8,10 @@ import json
 from collections.abc import Mapping
 from types import MappingProxyType
 
-# Families in the order the pass runs them. Later families (DeepSeek attention,
-# MoE routing, GQA prologues, GDN) go *before* "add_rms_norm": they take their
-# norms into bigger fusions, and the norm family gets what is left.
-FAMILY_ORDER: tuple[str, ...] = ("mla_prologue", "moe_routing", "add_rms_norm")
+# Families in the order the pass runs them. Bigger fusions go *before* "add_rms_norm": they
+# take their norms, and the norm family gets what is left. "gqa_prologue" goes before
+# "mla_prologue": both anchor on RoPE, and a GQA site's RoPEs are not MLA candidates.
+FAMILY_ORDER: tuple[str, ...] = ("gqa_prologue", "mla_prologue", "moe_routing", "add_rms_norm")
 
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor

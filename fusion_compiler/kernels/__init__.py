@@ -4,7 +4,7 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
+    from . import gdn_decode, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["mla_prologue"] = (
@@ -12,6 +12,7 @@ def _register_versions() -> None:
     )
     KERNEL_VERSIONS["moe_routing"] = moe_route.KERNEL_VERSION
     KERNEL_VERSIONS["gqa_prologue"] = gqa_prologue.KERNEL_VERSION
+    KERNEL_VERSIONS["gdn_decode"] = gdn_decode.KERNEL_VERSION
 
 
 try:
@@ -22,3 +23,4 @@ except ImportError:
     KERNEL_VERSIONS["mla_prologue"] = "triton-missing"
     KERNEL_VERSIONS["moe_routing"] = "triton-missing"
     KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"
+    KERNEL_VERSIONS["gdn_decode"] = "triton-missing"

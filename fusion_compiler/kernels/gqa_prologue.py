@@ -1,13 +1,17 @@
-"""GQA attention prologue (q/k RMSNorm + partial NeoX RoPE + paged K/V write): one Triton kernel
+"""GQA attention prologue (q/k RMSNorm + partial NeoX RoPE + K/V cache write): one Triton kernel
 and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference must match).
 
 Design: one program per token holds the token's q, k and v rows as [heads, head_dim] tiles
-(each padded to a power of two), so a full-width norm is one reduction over the tile and a
-per-head norm one reduction over axis 1. RoPE lanes gather their NeoX partner from memory (a
+(each padded to a power of two; rows addressed by token and head strides, so Qwen3.5's q
+inside its [q | gate] head rows is read in place), so a full-width norm is one reduction over
+the tile and a per-head norm one reduction over axis 1. RoPE lanes gather their NeoX partner from memory (a
 second load of the same lines, ``_device.rope_neox_lanes``) and recompute its normed value with
 the same rstd, bit-identically, so the norm stays elementwise. q goes to ``q_out``; k and v go
 to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``value / scale``
-(correctly rounded division) clamped to +-448 and rounded to e4m3.
+(correctly rounded division) clamped to +-448 and rounded to e4m3. Both cache layouts (paged
+[blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one addressing with
+the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any row stride) are
+read at ``positions[t]``, or at row t without positions.
 
 Not tuned: decode launches T programs, one per token. This module imports only torch and
 triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
@@ -22,7 +26,7 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-2"
+KERNEL_VERSION = "gqa_prologue-3"
 
 
 @triton.jit
@@ -33,14 +37,15 @@ def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(X, W, COS_SIN, pos, heads, eps, weight_offset,
+def _norm_rope(X, stride_h, W, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
                HEADS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
                FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """rope(norm(x)) of one token's [heads, D] row at X (unit stride), in fp32 (rounded values)."""
+    """rope(norm(x)) of one token's [heads, D] rows at X (head stride stride_h), in fp32
+    (rounded values)."""
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < heads) & (d < D)
-    x = upcast(tl.load(X + h * D + d, mask=mask, other=0.0))
+    x = upcast(tl.load(X + h * stride_h + d, mask=mask, other=0.0))
     if FULL_WIDTH:
         rstd = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (heads * D) + eps)
         w_self, w_base = h * D + d, h * D
@@ -49,10 +54,10 @@ def _norm_rope(X, W, COS_SIN, pos, heads, eps, weight_offset,
         w_self, w_base = d, 0 * h
     normed = _normed(x, W, w_self, mask, rstd, weight_offset, OUT_DTYPE)
     partner, pair, first = rope_neox_lanes(d, ROT // 2)
-    x_p = upcast(tl.load(X + h * D + partner, mask=mask, other=0.0))
+    x_p = upcast(tl.load(X + h * stride_h + partner, mask=mask, other=0.0))
     normed_p = _normed(x_p, W, w_base + partner, mask, rstd, weight_offset, OUT_DTYPE)
-    c = tl.load(COS_SIN + pos * ROT + pair, mask=d < ROT, other=1.0)
-    s = tl.load(COS_SIN + pos * ROT + ROT // 2 + pair, mask=d < ROT, other=0.0)
+    c = upcast(tl.load(COS + cos_row + pair, mask=d < ROT, other=1.0))
+    s = upcast(tl.load(SIN + sin_row + pair, mask=d < ROT, other=0.0))
     return tl.where(d < ROT, round_trip(rotate(normed, normed_p, c, s, first), OUT_DTYPE), normed)
 
 
@@ -75,65 +80,77 @@ def _write_cache(CACHE, CACHE_U8, value, slot, kv_heads, scale, stride_blk, stri
 
 @triton.jit
 def _gqa_prologue_kernel(
-    Q, K, V, QW, KW, COS_SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT,
-    stride_q, stride_k, stride_v, stride_qo,
+    Q, K, V, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     heads, kv_heads, eps, weight_offset, k_scale, v_scale,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr,
+    ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(POS + t).to(tl.int64)
+    if HAS_POSITIONS:
+        row = tl.load(POS + t).to(tl.int64)
+    else:
+        row = t
     slot = tl.load(SLOTS + t).to(tl.int64)
+    cos_row, sin_row = row * stride_cos, row * stride_sin
 
-    q = _norm_rope(Q + t * stride_q, QW, COS_SIN, pos, heads, eps, weight_offset, HQ_PAD, D, D_PAD,
-                   ROT, FULL_WIDTH, Q.dtype.element_ty)
+    q = _norm_rope(Q + t * stride_qt, stride_qh, QW, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
+                   HQ_PAD, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
     hq = tl.arange(0, HQ_PAD)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     tl.store(Q_OUT + t * stride_qo + hq * D + d, downcast(q, Q_OUT.dtype.element_ty), mask=(hq < heads) & (d < D))
 
-    k = _norm_rope(K + t * stride_k, KW, COS_SIN, pos, kv_heads, eps, weight_offset, HKV_PAD, D, D_PAD,
-                   ROT, FULL_WIDTH, K.dtype.element_ty)
+    k = _norm_rope(K + t * stride_kt, stride_kh, KW, COS, SIN, cos_row, sin_row, kv_heads, eps, weight_offset,
+                   HKV_PAD, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
     _write_cache(K_CACHE, K_CACHE_U8, k, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off, stride_kc_h,
                  BLOCK_SIZE, HKV_PAD, D, D_PAD, K_FP8)
     hk = tl.arange(0, HKV_PAD)[:, None]
-    v = upcast(tl.load(V + t * stride_v + hk * D + d, mask=(hk < kv_heads) & (d < D), other=0.0))
+    v = upcast(tl.load(V + t * stride_vt + hk * stride_vh + d, mask=(hk < kv_heads) & (d < D), other=0.0))
     _write_cache(V_CACHE, V_CACHE_U8, v, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off, stride_vc_h,
                  BLOCK_SIZE, HKV_PAD, D, D_PAD, V_FP8)
 
 
-def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos_sin_cache,
-                     positions, rotary_dim, k_cache, v_cache, slots, k_scale, v_scale, q_out) -> None:  # fmt: skip
+def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, int, int]:
+    """(block stride, row stride, head stride, block_size) of either cache layout."""
+    if heads_first:  # [blocks, kv_heads, block_size, D]
+        return cache.stride(0), cache.stride(2), cache.stride(1), cache.shape[2]
+    return cache.stride(0), cache.stride(1), cache.stride(2), cache.shape[1]
+
+
+def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
+                     k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_out) -> None:  # fmt: skip
     """Launch the kernel: writes ``q_out`` [T, heads, D] and the caches in place. Arguments as
-    the op's (already validated there); rows need unit stride along their width, caches unit
-    stride along head_dim, ``cos_sin_cache`` contiguous fp32. No host syncs."""
-    tokens = q.shape[0]
+    the op's (already validated there); q/k/v, cos/sin and the caches need unit stride along
+    their last dim, the norm weights and q_out are contiguous. No host syncs."""
+    tokens, heads, head_dim = q.shape
     if tokens == 0:
         return
-    blocks, block_size, kv_heads, head_dim = k_cache.shape
-    heads = q.shape[1] // head_dim
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    kv_heads = k.shape[1]
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride on its last dim, got {t.stride()}")
-    if not (q_out.is_contiguous() and cos_sin_cache.is_contiguous() and cos_sin_cache.dtype == torch.float32):
-        raise ValueError("q_out must be contiguous and cos_sin_cache contiguous fp32")
+    if not (q_out.is_contiguous() and q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
+        raise ValueError("q_out and the norm weights must be contiguous")
     fp8 = torch.float8_e4m3fn
+    kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
+    vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
     def _u8(cache):
         return cache.view(torch.uint8) if cache.dtype == fp8 else cache
 
     def _launch():
         _gqa_prologue_kernel[(tokens,)](
-            q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, positions, slots,
+            q, k, v, q_norm_weight, k_norm_weight, cos, sin, slots if positions is None else positions, slots,
             k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out,
-            q.stride(0), k.stride(0), v.stride(0), q_out.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
+            cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h,
             heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale),
             HQ_PAD=triton.next_power_of_2(heads), HKV_PAD=triton.next_power_of_2(kv_heads), D=head_dim,
-            D_PAD=triton.next_power_of_2(head_dim), ROT=rotary_dim, BLOCK_SIZE=block_size,
-            FULL_WIDTH=bool(full_width_norm), K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8,
+            D_PAD=triton.next_power_of_2(head_dim), ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
+            FULL_WIDTH=bool(full_width_norm), HAS_POSITIONS=positions is not None,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8,
             num_warps=8 if heads * head_dim >= 4096 else 4,
         )
 

@@ -467,6 +467,20 @@ def router_sites(model: torch.nn.Module) -> dict[str, int]:
     return {name: 1 for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")}
 
 
+def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
+    """GQA attention with q/k norms (HF's ``q_norm`` / ``k_norm`` beside ``q_proj``; MiniMax-M2,
+    Qwen3.5's full-attention layers): one gqa_prologue site each, which takes its q/k norms, so
+    they are not add_rms_norm sites; every other RMSNorm that runs is."""
+    attention = {name: 1 for name, m in model.named_modules()
+                 if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))}  # fmt: skip
+    taken = {f"{name}.{norm}" for name in attention for norm in ("q_norm", "k_norm")}
+    return {
+        "gqa_prologue": attention,
+        "add_rms_norm": {m: n for m, n in norms.items() if m not in taken},
+        "moe_routing": router_sites(model),
+    }
+
+
 def rms_norm_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """All RMSNorm modules of the tree (whether or not they run in decode), by module path."""
     return {name: m for name, m in model.named_modules() if name and is_rms_norm(m)}

@@ -1,34 +1,41 @@
-"""GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + paged K/V cache write, one op
+"""GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + K/V cache write, one op
 (issue 5: MiniMax-M2.5's full-width QK-norm; Qwen3.5's per-head Gemma QK-norm).
 
     fusion_compiler::gqa_prologue(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight,
         Tensor k_norm_weight, float eps, float weight_offset, bool full_width_norm,
-        Tensor cos_sin_cache, Tensor positions, int rotary_dim, Tensor(a!) k_cache,
-        Tensor(b!) v_cache, Tensor slots, float k_scale, float v_scale) -> Tensor q_out
+        Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache,
+        Tensor slots, float k_scale, float v_scale, bool cache_heads_first) -> Tensor q_out
 
-Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = head_dim =
-``k_cache.shape[-1]``, kv_heads = ``k_cache.shape[-2]``, heads = q.shape[-1] / D:
+Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = head_dim:
 
-    q, k, v      [T, heads * D], [T, kv_heads * D], [T, kv_heads * D] (any row stride: the
-                 column slices of one fused qkv GEMM output)
+    q, k, v      [T, heads, D], [T, kv_heads, D], [T, kv_heads, D], unit stride along D, any
+                 token and head strides: views of one fused qkv GEMM output (MiniMax, vLLM), of
+                 separate projections (HF), or of Qwen3.5's per-head [q | gate] rows (head
+                 stride 2D)
     norm(x, w)   RMSNorm in fp32, ``x * rstd * (w + weight_offset)``, rounded once to x.dtype;
-                 over the whole row when ``full_width_norm`` (MiniMax: q over 6144, k over 1024,
-                 weights [heads * D] and [kv_heads * D]), else per head (Qwen3.5: weights [D],
-                 Gemma ``weight_offset`` 1.0)
-    rope(x)      NeoX (rotate-half) on each head's first ``rotary_dim`` dims with
-                 ``cos | sin = cos_sin_cache[positions]`` ([max_position, rotary_dim] fp32), fp32
-                 math, rounded once; dims past rotary_dim pass through
-    q_out        rope(norm(q, q_norm_weight))                      [T, heads, D], q.dtype
-    k_cache      at flat slot ``slots[t]`` of [num_blocks * block_size, kv_heads, D]:
-                 rope(norm(k, k_norm_weight))[t]; v_cache the same with v[t] (no norm, no RoPE).
-                 FP8 caches store ``value / scale`` (correctly rounded), clamped to +-448 and
-                 rounded to e4m3 (per-tensor k_scale / v_scale); slot -1 writes nothing.
+                 over all of a token's heads when ``full_width_norm`` (MiniMax: q over 6144, k
+                 over 1024, weights [heads * D] and [kv_heads * D]), else per head (Qwen3.5:
+                 weights [D], Gemma ``weight_offset`` 1.0)
+    rope(x)      NeoX (rotate-half) on each head's first ``rotary_dim = 2 * cos.shape[-1]``
+                 dims, one angle per pair: cos / sin [N, rotary_dim / 2] read at row
+                 ``positions[t]`` (vLLM's cos_sin_cache halves) or at row t when positions is
+                 None (HF's per-token cos / sin); any dtype, fp32 math, rounded once; dims past
+                 rotary_dim pass through
+    q_out        rope(norm(q, q_norm_weight))                   [T, heads, D] contiguous, q.dtype
+    k_cache      rope(norm(k, k_norm_weight))[t] at flat slot ``slots[t]``; v_cache v[t]. The
+                 caches are [blocks, block_size, kv_heads, D] (paged, vLLM), or with
+                 ``cache_heads_first`` [blocks, kv_heads, block_size, D] (HF's static cache
+                 [batch, kv_heads, max_len, D]: slot = batch * max_len + position). Slot s is
+                 row s % block_size of block s // block_size; slot -1 writes nothing. FP8
+                 caches store ``value / scale`` (correctly rounded), clamped to +-448 and rounded
+                 to e4m3 (per-tensor k_scale / v_scale).
 
-One rounding per norm (the add_rms_norm family's contract): HF's ``weight * x.to(dtype)``
-rounds twice, so outputs agree with eager to bf16 tolerance, not bit for bit.
+One rounding per norm and per RoPE (the add_rms_norm family's contract): HF's
+``weight * x.to(dtype)`` and bf16 RoPE products round more often, so outputs agree with eager
+to bf16 tolerance, not bit for bit.
 
-On CUDA the op runs ``kernels/gqa_prologue.py`` (checked under the Triton interpreter; not yet
-run on the GPU). No pattern emits it yet.
+On CUDA the op runs ``kernels/gqa_prologue.py``. The pattern family
+``patterns/gqa_prologue.py`` emits it.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch
 
 from ._checks import require_dtype, require_shape, require_size_eq, require_slots_in_range
 from .rms_norm import rms_norm_reference
-from .rope import rope_neox_reference
+from .rope import cos_sin_for_tokens, rope_neox_reference
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FP8_MAX = 448.0
@@ -45,81 +52,116 @@ _CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)
 
 _SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight, Tensor k_norm_weight, float eps, float weight_offset, "
-    "bool full_width_norm, Tensor cos_sin_cache, Tensor positions, int rotary_dim, Tensor(a!) k_cache, "
-    "Tensor(b!) v_cache, Tensor slots, float k_scale, float v_scale) -> Tensor"
+    "bool full_width_norm, Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slots, float k_scale, float v_scale, bool cache_heads_first) -> Tensor"
 )
+ARG_NAMES = (
+    "q", "k", "v", "q_norm_weight", "k_norm_weight", "eps", "weight_offset", "full_width_norm", "cos", "sin",
+    "positions", "k_cache", "v_cache", "slots", "k_scale", "v_scale", "cache_heads_first",
+)  # fmt: skip
 
 
-def _heads(q, k_cache) -> tuple[int, int, int]:
-    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
-    if q.shape[-1] % head_dim:
-        raise ValueError(f"q width {q.shape[-1]} is not a multiple of head_dim {head_dim}")
-    return q.shape[-1] // head_dim, kv_heads, head_dim
+def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """The cache as [blocks, block_size, kv_heads, D] (a view)."""
+    return cache.transpose(1, 2) if heads_first else cache
 
 
-def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos_sin_cache, positions,
-              rotary_dim, k_cache, v_cache, slots, k_scale, v_scale) -> tuple[int, int, int]:  # fmt: skip
-    for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
+              k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first) -> tuple[int, int, int, int]:  # fmt: skip
+    """(heads, kv_heads, head_dim, rotary_dim)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
+                    ("cos", cos), ("sin", sin)):  # fmt: skip
         require_dtype(t, _FLOATS, name)
     require_dtype(k_cache, _CACHE_DTYPES, "k_cache")
     require_dtype(v_cache, _CACHE_DTYPES, "v_cache")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k/v caches must be [blocks, block_size, kv_heads, D] alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    heads, kv_heads, head_dim = _heads(q, k_cache)
-    tokens = q.shape[0]
-    require_shape(k, (tokens, kv_heads * head_dim), "k")
-    require_shape(v, (tokens, kv_heads * head_dim), "v")
+        raise ValueError(f"k/v caches must be 4-D alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _, _, kv_heads, head_dim = paged_view(k_cache, cache_heads_first).shape
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, heads, head_dim], got {tuple(q.shape)}")
+    tokens, heads = q.shape[0], q.shape[1]
+    require_shape(q, (tokens, heads, head_dim), "q")
+    require_shape(k, (tokens, kv_heads, head_dim), "k")
+    require_shape(v, (tokens, kv_heads, head_dim), "v")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
-    if full_width_norm:
-        require_shape(q_norm_weight, (heads * head_dim,), "q_norm_weight")
-        require_shape(k_norm_weight, (kv_heads * head_dim,), "k_norm_weight")
+    norm_widths = (heads * head_dim, kv_heads * head_dim) if full_width_norm else (head_dim, head_dim)
+    require_shape(q_norm_weight, (norm_widths[0],), "q_norm_weight")
+    require_shape(k_norm_weight, (norm_widths[1],), "k_norm_weight")
+    rotary_dim = 2 * cos.shape[-1]
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must be [rows, rotary_dim / 2] alike, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} (twice the cos width) must be in (0, {head_dim}]")
+    if positions is None:
+        require_size_eq(cos.shape[0], tokens, "cos rows (one per token when positions is None)")
     else:
-        require_shape(q_norm_weight, (head_dim,), "q_norm_weight")
-        require_shape(k_norm_weight, (head_dim,), "k_norm_weight")
-    if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
-        raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
-    require_size_eq(cos_sin_cache.shape[-1], rotary_dim, "cos_sin_cache width must be rotary_dim (cos | sin)")
-    require_shape(positions, (tokens,), "positions")
+        require_shape(positions, (tokens,), "positions")
     require_shape(slots, (tokens,), "slots")
     if not (eps > 0 and k_scale > 0 and v_scale > 0):
         raise ValueError(f"eps, k_scale and v_scale must be > 0, got {eps}, {k_scale}, {v_scale}")
-    return heads, kv_heads, head_dim
+    return heads, kv_heads, head_dim, rotary_dim
 
 
-def _norm(x, weight, eps, weight_offset, full_width, heads, head_dim):
+def _norm(x, weight, eps, weight_offset, full_width):
     if full_width:
-        return rms_norm_reference(x, weight, eps, weight_offset).view(x.shape[0], heads, head_dim)
-    return rms_norm_reference(x.reshape(x.shape[0], heads, head_dim), weight, eps, weight_offset)
+        return rms_norm_reference(x.reshape(x.shape[0], -1), weight, eps, weight_offset).view(x.shape)
+    return rms_norm_reference(x, weight, eps, weight_offset)
 
 
 def _rope(x, cos, sin, rotary_dim):
     return torch.cat([rope_neox_reference(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
 
 
-def _write(cache, slots, rows, scale):
-    flat = cache.view(-1, *cache.shape[2:])
+def _write(cache, heads_first, slots, rows, scale):
+    paged = paged_view(cache, heads_first)
     keep = slots >= 0
-    values = rows[keep]
+    values, kept = rows[keep], slots[keep]
     if cache.dtype == torch.float8_e4m3fn:
         values = (values.double() / scale).float().clamp(-FP8_MAX, FP8_MAX)  # division rounded once
-    flat[slots[keep]] = values.to(cache.dtype)
+    paged[kept // paged.shape[1], kept % paged.shape[1]] = values.to(cache.dtype)
 
 
-def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos_sin_cache,
-                           positions, rotary_dim, k_cache, v_cache, slots, k_scale, v_scale):  # fmt: skip
+def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin,
+                           positions, k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first=False):  # fmt: skip
     """Plain torch, any device; writes the caches in place and returns q_out."""
-    heads, kv_heads, head_dim = _validate(
-        q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos_sin_cache, positions,
-        rotary_dim, k_cache, v_cache, slots, k_scale, v_scale,
+    *_, rotary_dim = _validate(
+        q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
+        k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first,
     )  # fmt: skip
-    require_slots_in_range(slots, k_cache.shape[0] * k_cache.shape[1])
-    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
-    q_out = _rope(_norm(q, q_norm_weight, eps, weight_offset, full_width_norm, heads, head_dim), cos, sin, rotary_dim)
-    k_out = _rope(_norm(k, k_norm_weight, eps, weight_offset, full_width_norm, kv_heads, head_dim), cos, sin, rotary_dim)
-    _write(k_cache, slots, k_out, k_scale)
-    _write(v_cache, slots, v.reshape(v.shape[0], kv_heads, head_dim), v_scale)
+    paged = paged_view(k_cache, cache_heads_first)
+    require_slots_in_range(slots, paged.shape[0] * paged.shape[1])
+    cos, sin = cos_sin_for_tokens(cos, sin, positions)
+    q_out = _rope(_norm(q, q_norm_weight, eps, weight_offset, full_width_norm), cos, sin, rotary_dim)
+    k_out = _rope(_norm(k, k_norm_weight, eps, weight_offset, full_width_norm), cos, sin, rotary_dim)
+    _write(k_cache, cache_heads_first, slots, k_out, k_scale)
+    _write(v_cache, cache_heads_first, slots, v, v_scale)
     return q_out.contiguous()
+
+
+def gqa_prologue_canonical(**kwargs):
+    """The same math as a functional graph Inductor fuses (lowering "inductor"): returns
+    (q_out, new k_cache, new v_cache), as ``auto_functionalized`` does. Padding slots (-1) write
+    back the row they would clobber."""
+    args = dict(zip(ARG_NAMES, (kwargs[name] for name in ARG_NAMES)))
+    *_, rotary_dim = _validate(**args)
+    cos, sin = cos_sin_for_tokens(args["cos"], args["sin"], args["positions"])
+    eps, offset, full = args["eps"], args["weight_offset"], args["full_width_norm"]
+    q_out = _rope(_norm(args["q"], args["q_norm_weight"], eps, offset, full), cos, sin, rotary_dim)
+    k_out = _rope(_norm(args["k"], args["k_norm_weight"], eps, offset, full), cos, sin, rotary_dim)
+    slots, heads_first = args["slots"], args["cache_heads_first"]
+
+    def write(cache, rows, scale):
+        paged = paged_view(cache, heads_first)
+        safe = slots.clamp(min=0)
+        index = [safe // paged.shape[1], safe % paged.shape[1]]
+        if cache.dtype == torch.float8_e4m3fn:
+            rows = (rows.double() / scale).float().clamp(-FP8_MAX, FP8_MAX)
+        rows = torch.where((slots >= 0)[:, None, None], rows.to(cache.dtype), paged[index[0], index[1]])
+        return paged_view(torch.ops.aten.index_put.default(paged, index, rows), heads_first)
+
+    k_new = write(args["k_cache"], k_out, args["k_scale"])
+    return q_out.contiguous(), k_new, write(args["v_cache"], args["v"], args["v_scale"])
 
 
 @torch.library.custom_op("fusion_compiler::gqa_prologue", mutates_args=("k_cache", "v_cache"), schema=_SCHEMA)
@@ -129,7 +171,7 @@ def _op(*args):
 
 @_op.register_fake
 def _fake(*args):
-    heads, _, head_dim = _validate(*args)
+    heads, _, head_dim, _ = _validate(*args)
     q = args[0]
     return q.new_empty((q.shape[0], heads, head_dim))
 
@@ -138,7 +180,7 @@ def _fake(*args):
 def _cuda(*args):
     from fusion_compiler.kernels.gqa_prologue import gqa_prologue_fwd
 
-    heads, _, head_dim = _validate(*args)
+    heads, _, head_dim, _ = _validate(*args)
     q = args[0]
     q_out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
     gqa_prologue_fwd(*args, q_out)

@@ -5,7 +5,9 @@ code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
 `add.Tensor`; a 0-d constant is `scalar_tensor` in a trace and `full([])` in a graph;
 `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
 their argument lists. Without this, a pattern silently matches one spelling and misses the
-other. Pattern traces go through the same rewrite (patterns/registry.py).
+other. A reshape's ``-1`` is one such spelling: ``view(-1, heads, D)`` and ``view(T, -1, D)``
+are the same reshape, so a static one carries its full shape. Pattern traces go through the
+same rewrite (patterns/registry.py).
 
 One rewrite is device-specific: on CUDA, Inductor turns every softmax into its online form
 (``prims.prepare_softmax_online`` giving max and sum) before our pass runs; a router's softmax
@@ -41,6 +43,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _negative_dims(node)
         elif node.target is aten.topk.default:
             changed += _full_topk(node)
+        elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
+            changed += _static_shape(node)
         elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
             # What masked_fill(x, m, float) decomposes to in a pattern trace; real graphs
             # already carry it as a 0-d full (Inductor's own rewrite).
@@ -51,6 +55,16 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     for node in online_softmaxes:
         changed += _plain_router_softmax(node)
     return changed
+
+
+def _static_shape(node: torch.fx.Node) -> int:
+    shape, val = node.args[1], node.meta.get("val")
+    if not isinstance(shape, (list, tuple)) or -1 not in shape or not isinstance(val, torch.Tensor):
+        return 0
+    if not all(isinstance(size, int) for size in val.shape):
+        return 0  # dynamic: -1 stays (the pattern's own trace keeps it too)
+    node.args = (node.args[0], list(val.shape))
+    return 1
 
 
 def _online_softmax_op():

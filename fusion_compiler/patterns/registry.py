@@ -78,7 +78,8 @@ class MatchRecorder:
         self.declined: dict[torch.fx.Node, list[tuple[str, str]]] = {}
 
     def anchor_of(self, match: _compat.Match) -> torch.fx.Node | None:
-        anchors = [n for n in match.nodes if self.family.is_site(n)]
+        # A multi-output match can list a node once per output that reaches it.
+        anchors = list(dict.fromkeys(n for n in match.nodes if self.family.is_site(n)))
         return anchors[0] if len(anchors) == 1 else None
 
 

@@ -20,8 +20,9 @@ def act_quant(x, group, ue8m0):
 
 
 def write_rows(cache, slots, rows):
-    """``cache.view(-1, row).index_put_((slots,), rows)`` as it reaches a post-grad graph."""
-    flat = cache.reshape(-1, cache.shape[-1])
+    """``cache.view(-1, *cache.shape[2:]).index_put_((slots,), rows)`` as it reaches a post-grad
+    graph: a paged cache [blocks, block_size, *row] written at flat slots."""
+    flat = cache.reshape(-1, *cache.shape[2:])
     return aten.index_put.default(flat, [slots], rows).reshape(cache.shape)
 
 

@@ -1,8 +1,10 @@
 """The GQA prologue kernel (kernels/gqa_prologue.py) against ``gqa_prologue_reference``.
 
-CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py). q/k/v are column slices of one fused
-qkv tensor (row stride > width), caches are poisoned outside the written slots and checked
-unchanged there, slots include -1. Outputs: bf16 equal to the reference except a few elements
+CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py). q/k/v are [T, heads, D] views of one
+fused qkv tensor (row stride > width; with ``gated`` q sits inside Qwen3.5's per-head [q | gate]
+rows, head stride 2D), caches are paged or HF's heads-first static layout, poisoned outside the
+written slots and checked unchanged there, slots include -1; cos / sin are fp32 tables read at
+positions (vLLM) or bf16 per-token rows (HF). Outputs: bf16 equal to the reference except a few elements
 one ulp apart (rsqrt's last bit), FP8 codes equal except a few one code apart.
 """
 
@@ -40,21 +42,32 @@ def _assert_bf16_close(out, ref, what):
 def _run(c):
     gen = torch.Generator().manual_seed(c["seed"])
     t, hq, hkv, d, rot = c["tokens"], c["kv_heads"] * c["group"], c["kv_heads"], c["head_dim"], c["rotary_dim"]
-    qkv = (torch.randn(t, (hq + 2 * hkv) * d + 8, generator=gen) * 2).bfloat16().to(DEVICE)
-    q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d : (hq + 2 * hkv) * d]
+    q_width = 2 * hq * d if c.get("gated") else hq * d
+    qkv = (torch.randn(t, q_width + 2 * hkv * d + 8, generator=gen) * 2).bfloat16().to(DEVICE)
+    q = qkv[:, :q_width].view(t, hq, -1)[..., :d]  # gated: q is each head's first half
+    k = qkv[:, q_width : q_width + hkv * d].view(t, hkv, d)
+    v = qkv[:, q_width + hkv * d : q_width + 2 * hkv * d].view(t, hkv, d)
     width_q, width_k = (hq * d, hkv * d) if c["full_width"] else (d, d)
     qw = (torch.randn(width_q, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
     kw = (torch.randn(width_k, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
     blocks, block_size = 3 + t, 4
+    heads_first = c.get("heads_first", False)
     cache_dtype = FP8 if c["fp8"] else torch.bfloat16
-    k_cache = torch.randn(blocks, block_size, hkv, d, generator=gen).to(cache_dtype).to(DEVICE)
-    v_cache = torch.randn(blocks, block_size, hkv, d, generator=gen).to(cache_dtype).to(DEVICE)
+    shape = (blocks, hkv, block_size, d) if heads_first else (blocks, block_size, hkv, d)
+    k_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
+    v_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
     slots = torch.randperm(blocks * block_size, generator=gen)[:t]
     slots[torch.rand(t, generator=gen) < 0.25] = -1
-    positions = torch.randint(0, 64, (t,), generator=gen)
-    table = _cos_sin(64, rot, gen)
-    args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], table, positions.to(DEVICE), rot)
-    tail = (slots.to(DEVICE), 0.5, 0.25)
+    if c.get("hf_angles"):  # HF: per-token bf16 rows of cat(freqs, freqs); the op reads the first half
+        angles = (torch.rand(t, rot // 2, generator=gen) * 6.28).repeat(1, 2)
+        cos, sin, positions = angles.cos().bfloat16()[:, : rot // 2], angles.sin().bfloat16()[:, : rot // 2], None
+    else:
+        table = _cos_sin(64, rot, gen)
+        cos, sin, positions = table[:, : rot // 2], table[:, rot // 2 :], torch.randint(0, 64, (t,), generator=gen)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    positions = None if positions is None else positions.to(DEVICE)
+    args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], cos, sin, positions)
+    tail = (slots.to(DEVICE), 0.5, 0.25, heads_first)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
     q_out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -74,6 +87,7 @@ def configs(draw):
         tokens=draw(st.integers(1, 5)), kv_heads=draw(st.sampled_from([1, 2, 3])), group=draw(st.sampled_from([1, 2, 3])),
         head_dim=head_dim, rotary_dim=draw(st.sampled_from([r for r in (8, 16, head_dim) if r <= head_dim])),
         full_width=draw(st.booleans()), offset=draw(st.booleans()), fp8=draw(st.booleans()),
+        gated=draw(st.booleans()), heads_first=draw(st.booleans()), hf_angles=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )  # fmt: skip
 
@@ -92,10 +106,11 @@ def test_model_layouts(model):
     if model == "minimax":
         c.update(rotary_dim=32, full_width=True, offset=False)
     else:
-        c.update(rotary_dim=16, full_width=False, offset=True)
+        c.update(rotary_dim=16, full_width=False, offset=True, gated=True)
     _run(c)
     _run({**c, "fp8": True})
+    _run({**c, "heads_first": True, "hf_angles": True})  # HF's static cache and per-token angles
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-2"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-3"

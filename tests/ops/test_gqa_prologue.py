@@ -30,9 +30,11 @@ def test_matches_the_minimax_reference_prologue():
     with torch.no_grad():
         q_ref = attn.prologue(x, table, positions, slots, k_ref, v_ref, 1.0, 1.0)
         q, k, v = attn.qkv_proj(x).split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
+        half = cfg.rotary_dim // 2
         q_out = torch.ops.fusion_compiler.gqa_prologue(
-            q, k, v, attn.q_norm_weight, attn.k_norm_weight, cfg.rms_norm_eps, 0.0, True, table, positions,
-            cfg.rotary_dim, k_op, v_op, slots, 1.0, 1.0,
+            q.view(3, cfg.num_heads, -1), k.view(3, cfg.num_kv_heads, -1), v.view(3, cfg.num_kv_heads, -1),
+            attn.q_norm_weight, attn.k_norm_weight, cfg.rms_norm_eps, 0.0, True, table[:, :half], table[:, half:],
+            positions, k_op, v_op, slots, 1.0, 1.0, False,
         )  # fmt: skip
     # One rounding per norm here, two in HF's `weight * x.to(dtype)`: bf16 tolerance.
     assert relative_error(q_out, q_ref) < 1e-2
@@ -51,7 +53,10 @@ def test_per_head_gemma_norm_and_fp8_cache():
     table = ref.rope_cos_sin_cache(cfg)
     k_cache, v_cache = _caches(cfg, dtype=torch.float8_e4m3fn)
     positions, slots = torch.tensor([3, 11]), torch.tensor([0, 13])
-    q_out = op.gqa_prologue_reference(q, k, v, qw, kw, 1e-6, 1.0, False, table, positions, 8, k_cache, v_cache, slots, 0.5, 0.25)
+    q_out = op.gqa_prologue_reference(
+        q.view(2, 4, 32), k.view(2, 2, 32), v.view(2, 2, 32), qw, kw, 1e-6, 1.0, False, table[:, :4], table[:, 4:],
+        positions, k_cache, v_cache, slots, 0.5, 0.25,
+    )  # fmt: skip
     # The same math spelled out: Gemma x * (1 + w) per head, then RoPE on 8 of 32 dims.
     h = q.float().view(2, 4, 32)
     normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + qw)).bfloat16()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import ModelAdapter
+from ..base import ModelAdapter, qk_norm_attention_sites
 
 # Real widths (docs/MODELS.md section 1). PITFALL: the hub keys `rope_theta` + `rotary_dim: 64`
 # make transformers 5.17 rope all 128 dims; the explicit `partial_rotary_factor` 0.5 is what gives
@@ -61,4 +61,5 @@ ADAPTER = ModelAdapter(
     tiny_config=TINY_CONFIG,
     default_layers=2,
     layer_kind_fn=layer_kinds,
+    expected_fn=qk_norm_attention_sites,
 )

@@ -26,7 +26,14 @@ import dataclasses
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
+from .. import paged_kv
+from ..paged_kv import FP8, context_of, paged_decode_attention, read_cache, rope_neox_partial, write_cache
+
+# The paged-cache pieces live in paged_kv (shared with Qwen3.5's reference); re-exported here.
+__all__ = [
+    "FP8", "REAL", "TINY", "Attention", "ReferenceConfig", "config_of", "context_of", "from_hf", "read_cache",
+    "rms_norm", "rope_cos_sin_cache", "rope_neox_partial", "write_cache",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +60,7 @@ class ReferenceConfig:
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        if self.kv_cache_dtype not in ("bf16", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'bf16' or 'fp8', got {self.kv_cache_dtype!r}")
-        return torch.bfloat16 if self.kv_cache_dtype == "bf16" else FP8
+        return paged_kv.cache_dtype_of(self.kv_cache_dtype)
 
 
 REAL = ReferenceConfig(hidden_size=3072, num_heads=48, num_kv_heads=8, head_dim=128, rotary_dim=64)
@@ -70,35 +75,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin_cache(cfg: ReferenceConfig) -> torch.Tensor:
-    """[max_position, rotary_dim] fp32: cos of the rotary_dim / 2 frequencies, then sin."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
-    angles = torch.arange(cfg.max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """NeoX (rotate-half) RoPE on the first ``rotary_dim`` dims of x [T, heads, D]; cos / sin
-    [T, rotary_dim / 2]. fp32 math, one rounding; the other dims pass through."""
-    half = rotary_dim // 2
-    first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat([first * c - second * s, second * c + first * s], dim=-1).to(x.dtype)
-    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
-
-
-def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
-    """cache [blocks, block_size, kv_heads, D] at flat ``slots`` [T] <- values [T, kv_heads, D],
-    divided by ``scale``, clamped and rounded for an FP8 cache. As the DeepSeek reference, an
-    ``index_put_`` (compiles without data-dependent shapes); every slot must be valid here (the
-    fused op also skips vLLM's padding slot -1, which index_put_ would wrap to the last row)."""
-    rows = (values.float() / scale).clamp(-448.0, 448.0) if cache.dtype == FP8 else values
-    cache.view(-1, *cache.shape[2:]).index_put_((slots,), rows.to(cache.dtype))
-
-
-def read_cache(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, kv_heads, D] fp32 rows at flat ``slots``."""
-    rows = cache.view(-1, *cache.shape[2:])[slots].float()
-    return rows * scale if cache.dtype == FP8 else rows
+    """[max_position, rotary_dim] fp32 cos | sin table of ``cfg`` (paged_kv.rope_cos_sin_cache)."""
+    return paged_kv.rope_cos_sin_cache(cfg.rotary_dim, cfg.rope_theta, cfg.max_position)
 
 
 class Attention(nn.Module):
@@ -111,10 +89,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_width, cfg.hidden_size, bias=False)
 
     def prologue(self, x, cos_sin_cache, positions, slots, k_cache, v_cache, k_scale, v_scale):
-        """qkv GEMM output -> (q [T, heads, D] after norm + RoPE); writes K and V. The region the
-        GQA prologue fusion replaces is everything after the GEMM."""
+        """x -> (q [T, heads, D] after norm + RoPE); writes K and V."""
+        return self.after_qkv(self.qkv_proj(x), cos_sin_cache, positions, slots, k_cache, v_cache, k_scale, v_scale)
+
+    def after_qkv(self, qkv, cos_sin_cache, positions, slots, k_cache, v_cache, k_scale, v_scale):
+        """The qkv GEMM's output -> q; writes K and V: the region the GQA prologue fusion replaces."""
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
+        q, k, v = qkv.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
         q = rms_norm(q, self.q_norm_weight, cfg.rms_norm_eps).view(-1, cfg.num_heads, cfg.head_dim)
         k = rms_norm(k, self.k_norm_weight, cfg.rms_norm_eps).view(-1, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
@@ -129,23 +110,10 @@ class Attention(nn.Module):
         (its sequence's slots, the new one included, padded where context_valid is False)."""
         cfg = self.cfg
         q = self.prologue(x, cos_sin_cache, positions, slots, k_cache, v_cache, k_scale, v_scale)
-        keys = read_cache(k_cache, context_slots.clamp(min=0).flatten(), k_scale)
-        values = read_cache(v_cache, context_slots.clamp(min=0).flatten(), v_scale)
-        tokens, ctx = context_slots.shape
-        keys = keys.view(tokens, ctx, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
-        values = values.view(tokens, ctx, cfg.num_kv_heads, cfg.head_dim).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
-        scores = torch.einsum("thd,tchd->thc", q.float(), keys) * cfg.head_dim**-0.5
-        scores = scores.masked_fill(~context_valid[:, None, :], float("-inf"))
-        out = torch.einsum("thc,tchd->thd", scores.softmax(-1), values).to(x.dtype)
-        return self.o_proj(out.reshape(tokens, cfg.q_width))
-
-
-def context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
-    """(context_slots [B, max_len], context_valid [B, max_len]) of each sequence's positions."""
-    max_len = int(seq_lens.max())
-    pos = torch.arange(max_len, device=block_table.device)
-    slots = block_table[:, pos // block_size] * block_size + pos % block_size
-    return slots, pos[None, :] < seq_lens[:, None]
+        out = paged_decode_attention(
+            q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid, cfg.num_kv_heads
+        )
+        return self.o_proj(out.to(x.dtype).reshape(-1, cfg.q_width))
 
 
 def from_hf(hf_attention: nn.Module, cfg: ReferenceConfig) -> Attention:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .base import ModelAdapter
+from ..base import ModelAdapter, qk_norm_attention_sites
 
 FULL_ATTENTION_INTERVAL = 4
 
@@ -91,4 +91,5 @@ ADAPTER = ModelAdapter(
     default_layers=4,
     layer_kind_fn=layer_kinds,
     layer_config_fn=_layer_config,
+    expected_fn=qk_norm_attention_sites,
 )

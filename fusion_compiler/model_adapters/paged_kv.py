@@ -1,0 +1,81 @@
+"""The pieces of a serving engine's GQA decode step that the MiniMax-M2.5 and Qwen3.5 references
+share: the RoPE cos/sin table, partial NeoX RoPE, the paged KV cache (write, read, per-sequence
+context) and decode attention over that cache.
+
+These are *model code*: the compiler's patterns are written against the op sequences below (the
+torch calls, in this order), so a change of spelling here is a change of what gets matched.
+
+Cache layout, as vLLM's: ``[num_blocks, block_size, kv_heads, head_dim]`` per cache (one for K,
+one for V), addressed by a flat slot ``block * block_size + offset``; bf16 or FP8 e4m3 with one
+per-tensor scale per cache (``value / scale`` clamped to +-448 and rounded to FP8, as vLLM's
+``fp8`` kv-cache dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def cache_dtype_of(kv_cache_dtype: str) -> torch.dtype:
+    """The torch dtype of a kv-cache dtype name: "bf16" or "fp8" (e4m3)."""
+    if kv_cache_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'bf16' or 'fp8', got {kv_cache_dtype!r}")
+    return torch.bfloat16 if kv_cache_dtype == "bf16" else FP8
+
+
+def rope_cos_sin_cache(rotary_dim: int, rope_theta: float, max_position: int) -> torch.Tensor:
+    """[max_position, rotary_dim] fp32: cos of the rotary_dim / 2 frequencies, then sin."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def rope_neox_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE on the first ``rotary_dim`` dims of x [T, heads, D]; cos / sin
+    [T, rotary_dim / 2]. fp32 math, one rounding; the other dims pass through."""
+    half = rotary_dim // 2
+    first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat([first * c - second * s, second * c + first * s], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+
+def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
+    """cache [blocks, block_size, kv_heads, D] at flat ``slots`` [T] <- values [T, kv_heads, D],
+    divided by ``scale``, clamped and rounded for an FP8 cache. As the DeepSeek reference, an
+    ``index_put_`` (compiles without data-dependent shapes); every slot must be valid here (the
+    fused op also skips vLLM's padding slot -1, which index_put_ would wrap to the last row)."""
+    rows = (values.float() / scale).clamp(-448.0, 448.0) if cache.dtype == FP8 else values
+    cache.view(-1, *cache.shape[2:]).index_put_((slots,), rows.to(cache.dtype))
+
+
+def read_cache(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """[n, kv_heads, D] fp32 rows at flat ``slots``."""
+    rows = cache.view(-1, *cache.shape[2:])[slots].float()
+    return rows * scale if cache.dtype == FP8 else rows
+
+
+def context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+    """(context_slots [B, max_len], context_valid [B, max_len]) of each sequence's positions."""
+    max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=block_table.device)
+    slots = block_table[:, pos // block_size] * block_size + pos % block_size
+    return slots, pos[None, :] < seq_lens[:, None]
+
+
+def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid, num_kv_heads):
+    """Decode attention in fp32: q [T, heads, D], token t the last token of sequence t, attending
+    to ``context_slots[t]`` (its sequence's slots, the new one included, padded where
+    ``context_valid`` is False); GQA by repeating each kv head heads / num_kv_heads times; scale
+    D^-0.5. Returns [T, heads, D] fp32 (the caller rounds to its activation dtype)."""
+    tokens, ctx = context_slots.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    keys = read_cache(k_cache, context_slots.clamp(min=0).flatten(), k_scale)
+    values = read_cache(v_cache, context_slots.clamp(min=0).flatten(), v_scale)
+    keys = keys.view(tokens, ctx, num_kv_heads, head_dim).repeat_interleave(heads // num_kv_heads, 2)
+    values = values.view(tokens, ctx, num_kv_heads, head_dim).repeat_interleave(heads // num_kv_heads, 2)
+    scores = torch.einsum("thd,tchd->thc", q.float(), keys) * head_dim**-0.5
+    scores = scores.masked_fill(~context_valid[:, None, :], float("-inf"))
+    return torch.einsum("thc,tchd->thd", scores.softmax(-1), values)

@@ -1,0 +1,397 @@
+"""GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + the K/V cache write, one site per
+attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers) -> ``gqa_prologue``.
+
+Two norms, each as its model writes it:
+
+* ``minimax``: HF's ``MiniMaxM2RMSNorm`` over the **whole** q and k projections (6144 and 1024
+  wide), then the head split;
+* ``qwen``: the Gemma ``x * (1 + w)`` norm per head, on q taken out of each head's
+  [q | gate] row (the gate stays outside: ``* sigmoid(gate)`` after attention).
+
+Two layouts, each as its code writes it:
+
+* ``hf``: HF transformers: heads transposed to [B, H, S, D], RoPE ``x * cos + rotate_half(x) *
+  sin`` on the first ``cos.shape[-1]`` dims in the activation dtype, the static cache written
+  by ``index_copy_`` along the sequence dim (an ``index_put`` with ``[None, None, position]``
+  post-grad);
+* ``paged``: a serving engine (model_adapters/*/reference.py, vLLM's forward_native): [T, H, D],
+  NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache`` gathered at the
+  positions, K and V written into a paged cache at flat slots, bf16 or FP8 with a per-tensor
+  scale.
+
+The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``.
+Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
+the matched nodes: the RoPE's slice points (partial, NeoX halves, not GPT-J pairs), the norm's
+width and Gemma's offset, the cast an FP8 write rounds to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..ops import gqa_prologue as gqa_ops
+from . import add_rms_norm, mla_prologue
+from .registry import Family, Reason, Variant
+from .spellings import FP8, write_rows
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_EPS = 1.2345e-6
+_K_SCALE, _V_SCALE = 0.3456, 0.4567
+_NO_END = 2**63 - 1  # a slice to the end
+
+# ------------------------------------------------------------------------------------------
+# Model-code spellings
+# ------------------------------------------------------------------------------------------
+
+
+def normed_heads(x, weight, eps, norm: str, layout: str, head_dim):
+    """q or k after its norm, as [..., heads, D]. The head split is spelled as each layout's
+    code writes it (a dynamic token count keeps its -1 where the code put it)."""
+    if norm == "qwen":  # per head: x is [..., heads, D] already
+        return add_rms_norm.gemma(x, weight, eps)
+    normed = add_rms_norm.hf(x, weight, eps)  # MiniMax: the whole projection, then the split
+    return split_heads(normed, layout, head_dim)
+
+
+def split_heads(x, layout: str, head_dim):
+    if layout == "hf":  # HF: x.view(*input_shape, -1, head_dim)
+        return x.view(*x.shape[:-1], -1, head_dim)
+    return x.view(-1, x.shape[-1] // head_dim, head_dim)  # serving code: view(-1, heads, D)
+
+
+def rope_partial_hf(x, cos, sin):
+    """HF ``apply_rotary_pos_emb`` (MiniMax-M2, Qwen3.5): rotate-half on the first
+    ``cos.shape[-1]`` dims (cos / sin unsqueezed over heads), the rest passed through."""
+    rot = cos.shape[-1]
+    return torch.cat([mla_prologue.rope_halves_hf(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+
+
+def rope_partial_fp32(x, cos, sin):
+    """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
+    fp32, one rounding (model_adapters/paged_kv.py's ``rope_neox_partial``)."""
+    half = cos.shape[-1]
+    first, second = x[..., :half].float(), x[..., half : 2 * half].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat([first * c - second * s, second * c + first * s], dim=-1).to(x.dtype)
+    return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
+
+
+def fp8_rows(rows, scale):
+    """vLLM's per-tensor ``fp8`` KV cache: value / scale, saturated, rounded to e4m3."""
+    return (rows.float() / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+def _search(norm: str, layout: str, cache: str):
+    def prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
+        head_dim = k_cache.shape[-1]
+        q = normed_heads(q, q_weight, eps, norm, layout, head_dim)
+        k = normed_heads(k, k_weight, eps, norm, layout, head_dim)
+        if layout == "hf":  # where: the cache positions
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = rope_partial_hf(q, cos, sin), rope_partial_hf(k, cos, sin)
+            k_cache = aten.index_put.default(k_cache, [None, None, where], k)
+            v_cache = aten.index_put.default(v_cache, [None, None, where], v)
+            return q, k_cache, v_cache
+        q, k = rope_partial_fp32(q, cos, sin), rope_partial_fp32(k, cos, sin)  # where: the slots
+        # v's head split belongs to the site: without it the V write's pattern would also fit
+        # the K write (any rows), and the matcher would bind both to it.
+        v = split_heads(v, layout, head_dim)
+        if cache == "fp8":
+            k, v = fp8_rows(k, k_scale), fp8_rows(v, v_scale)
+        return q, write_rows(k_cache, where, k), write_rows(v_cache, where, v)
+
+    if cache != "fp8":  # no scale arguments to trace
+
+        def prologue_bf16(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps):
+            return prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps)
+
+        return prologue_bf16
+    return prologue
+
+
+def _variant(norm: str, layout: str, cache: str = "bf16") -> Variant:
+    name = f"{norm}.{layout}" + (f"_{cache}" if layout == "paged" else "")
+    return Variant(name, _search(norm, layout, cache), {"norm": norm, "layout": layout, "cache": cache})
+
+
+VARIANTS = tuple(
+    _variant(norm, layout, cache)
+    for norm in ("minimax", "qwen")
+    for layout, cache in (("paged", "fp8"), ("paged", "bf16"), ("hf", "bf16"))
+)
+
+# ------------------------------------------------------------------------------------------
+# Example inputs (tiny, real structure: partial RoPE, GQA)
+# ------------------------------------------------------------------------------------------
+
+DTYPE_COMBOS = ((torch.bfloat16,),)
+_T, _HQ, _HKV, _D, _ROT, _BLOCKS, _BS = 2, 4, 2, 16, 8, 3, 4
+
+
+def example_inputs(variant: Variant, combo) -> list:
+    (act,) = combo
+    p = variant.params
+
+    def r(*shape, dtype=act):
+        return torch.randn(*shape, dtype=dtype)
+
+    lead = (1, _T) if p["layout"] == "hf" else (_T,)
+    if p["norm"] == "minimax":
+        q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
+    else:
+        q, k, qw, kw = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(_D), r(_D)
+    v = r(*lead, _HKV, _D) if p["layout"] == "hf" else r(*lead, _HKV * _D)
+    if p["layout"] == "hf":
+        cos, sin = r(1, _T, _ROT), r(1, _T, _ROT)
+        k_cache, v_cache = r(1, _HKV, _BLOCKS * _BS, _D), r(1, _HKV, _BLOCKS * _BS, _D)
+        return [q, k, v, qw, kw, cos, sin, k_cache, v_cache, torch.arange(_T), _EPS]
+    cos, sin = torch.randn(_T, _ROT // 2), torch.randn(_T, _ROT // 2)
+    cache_dtype = FP8 if p["cache"] == "fp8" else act
+    k_cache = torch.zeros(_BLOCKS, _BS, _HKV, _D, dtype=cache_dtype)
+    inputs = [q, k, v, qw, kw, cos, sin, k_cache, k_cache.clone(), torch.arange(_T), _EPS]
+    return inputs + ([_K_SCALE, _V_SCALE] if p["cache"] == "fp8" else [])
+
+
+SCALARS = {"eps": _EPS, "k_scale": _K_SCALE, "v_scale": _V_SCALE}
+
+# ------------------------------------------------------------------------------------------
+# Facts read from the matched nodes, and the guard
+# ------------------------------------------------------------------------------------------
+
+
+def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
+    facts: dict[str, Any] = {"slices": set(), "norm_widths": set(), "weight_offsets": set(), "casts": set()}
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.rsqrt.default and node.args[0].target is aten.add.Tensor:
+            facts["graph_eps"] = node.args[0].args[1]
+        elif node.target is aten.mean.dim:
+            facts["norm_widths"].add(mla_prologue._val(node.args[0]).shape[-1])
+        elif node.target is aten.slice.Tensor:
+            start, end = (list(node.args[2:4]) + [0, _NO_END])[:2]
+            step = node.args[4] if len(node.args) > 4 else 1
+            facts["slices"].add((start, min(end, _NO_END), step))
+        elif node.target is aten.add.Tensor and _is_weight_cast(node.args[0]):
+            facts["weight_offsets"].add(node.args[1])  # Gemma's (1 + w)
+        elif node.target is prims.convert_element_type.default:
+            facts["casts"].add(node.args[1])
+        elif node.target is aten.div.Tensor and not isinstance(node.args[1], torch.fx.Node):
+            facts.setdefault("graph_scales", []).append(node.args[1])
+    scales = facts.pop("graph_scales", [])
+    if len(scales) == 2:  # k's write comes first in the pattern
+        facts["graph_k_scale"], facts["graph_v_scale"] = scales
+    return facts
+
+
+def _is_weight_cast(node) -> bool:
+    return getattr(node, "target", None) is prims.convert_element_type.default and node.args[1] == torch.float32
+
+
+def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
+    p = variant.params
+    if values.get("q_is_k"):
+        return "q and k bound to the same node (k's rotation matched as q's): not a q/k pair"
+    for name in ("eps", "k_scale", "v_scale"):
+        if name in values and not isinstance(values[name], (int, float)):
+            return f"{name} is a tensor, not a Python number (got {values[name]}); the fused op takes it as a constant"
+    q, cos, k_cache = values["q"], values["cos"], values["k_cache"]
+    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
+    heads = q.shape[-1] // head_dim if p["norm"] == "minimax" else q.shape[-2]
+    rot = cos.shape[-1] if p["layout"] == "hf" else 2 * cos.shape[-1]
+    reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
+    if reason:
+        return reason
+    reason = _rope_reason(values["slices"], rot, head_dim, p["layout"])
+    if reason:
+        return reason
+    if p["layout"] == "hf" and not values["angles_duplicated"]:
+        return "cos/sin are not built as cat(freqs, freqs); the fused NeoX RoPE reads one angle per pair"
+    if heads % kv_heads:
+        return f"{heads} query heads do not share {kv_heads} kv heads evenly"
+    return _cache_reason(values, p, kv_heads, head_dim)
+
+
+def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) -> Reason:
+    widths = values["norm_widths"]
+    if norm == "minimax" and widths != {heads * head_dim, kv_heads * head_dim}:
+        return (f"the q/k norms reduce over {sorted(widths)} dims, not the whole projections "
+                f"({heads * head_dim}, {kv_heads * head_dim}): per-head where full-width is expected")  # fmt: skip
+    if norm == "qwen":
+        if widths != {head_dim}:
+            return f"the q/k norms reduce over {sorted(widths)} dims, not one head ({head_dim}): full-width where per-head is expected"
+        if values["weight_offsets"] != {1.0}:
+            return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
+    return None
+
+
+def _rope_reason(slices: set, rot: int, head_dim: int, layout: str) -> Reason:
+    steps = {step for *_, step in slices} - {None, 1}
+    if steps:
+        return f"RoPE slices with steps {sorted(steps)}: GPT-J pairs where NeoX halves are expected"
+    if rot >= head_dim:
+        return f"RoPE covers all {head_dim} dims: this family fuses partial RoPE"
+    if rot % 2:
+        return f"rotary_dim {rot} is odd"
+    half = rot // 2
+    if layout == "hf":  # x[..., :rot], x[..., rot:], rotate_half's x[..., :rot/2], x[..., rot/2:]
+        want = {(0, rot, 1), (rot, _NO_END, 1), (0, half, 1), (half, _NO_END, 1)}
+    else:  # x[..., :half], x[..., half:rot], x[..., rot:]
+        want = {(0, half, 1), (half, rot, 1), (rot, _NO_END, 1)}
+    if {(a, min(b, _NO_END), 1) for a, b, _ in slices} != want:
+        return (f"RoPE slices {sorted(s[:2] for s in slices)} are not NeoX halves of the first {rot} dims "
+                f"(cos/sin width) with the rest passed through")  # fmt: skip
+    return None
+
+
+def _cache_reason(values, p, kv_heads: int, head_dim: int) -> Reason:
+    k_cache, v_cache, where = values["k_cache"], values["v_cache"], values["where"]
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or not cache.is_contiguous():
+            return f"{name} {tuple(cache.shape)} is not a contiguous 4-D cache (strides {cache.stride()})"
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        return f"the K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}"
+    heads_axis = 1 if p["layout"] == "hf" else 2
+    if k_cache.shape[heads_axis] != kv_heads or k_cache.shape[-1] != head_dim:
+        return f"cache {tuple(k_cache.shape)} does not hold {kv_heads} kv heads of {head_dim} on dims {heads_axis}, 3"
+    if where.dtype not in (torch.int32, torch.int64) or where.dim() != 1:
+        return f"the cache index {where.dtype} {tuple(where.shape)} is not a 1-D int tensor"
+    want = FP8 if p["cache"] == "fp8" else values["q"].dtype
+    if k_cache.dtype != want:
+        return f"cache dtype {k_cache.dtype}, expected {want}"
+    if p["cache"] == "fp8" and FP8 not in values["casts"]:
+        return f"the cache write casts to {sorted(map(str, values['casts']))}, not float8_e4m3fn"
+    for name in ("q", "k", "v", "q_weight", "k_weight"):
+        if values[name].dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"{name} dtype {values[name].dtype} is not bf16/fp16/fp32"
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Replacements
+# ------------------------------------------------------------------------------------------
+
+
+def _call(lowering: str, **kwargs):
+    """(q_out, new k_cache, new v_cache): the Triton op through ``auto_functionalized``, or the
+    canonical functional decomposition (lowering "inductor")."""
+    if lowering == "inductor":
+        return gqa_ops.gqa_prologue_canonical(**kwargs)
+    return _compat.auto_functionalized(torch.ops.fusion_compiler.gqa_prologue.default, **kwargs)
+
+
+def replacement(variant: Variant, lowering: str):
+    if lowering not in ("triton", "inductor"):
+        raise ValueError(f"no replacement for lowering {lowering!r}")
+    p = variant.params
+    full_width, offset = p["norm"] == "minimax", 0.0 if p["norm"] == "minimax" else 1.0
+
+    def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
+        head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
+        lead = v.shape[:-2] if p["layout"] == "hf" else v.shape[:-1]
+        tokens = v.numel() // (kv_heads * head_dim)
+        if p["layout"] == "hf":  # per-token cat(freqs, freqs) rows; slot = batch * max_len + position
+            half = cos.shape[-1] // 2
+            cos, sin = cos.reshape(tokens, -1)[:, :half], sin.reshape(tokens, -1)[:, :half]
+            max_len = k_cache.shape[2]
+            slots = where if lead[0] == 1 else (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
+        else:
+            slots = where
+        q_out, k_new, v_new = _call(
+            lowering,
+            q=q.reshape(tokens, -1, head_dim), k=k.reshape(tokens, -1, head_dim), v=v.reshape(tokens, kv_heads, head_dim),
+            q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps, weight_offset=offset, full_width_norm=full_width,
+            cos=cos, sin=sin, positions=None, k_cache=k_cache, v_cache=v_cache, slots=slots,
+            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf",
+        )  # fmt: skip
+        if p["layout"] == "hf":
+            q_out = q_out.view(*lead, -1, head_dim).transpose(1, 2)
+        return q_out, k_new, v_new
+
+    if p["cache"] != "fp8":
+
+        def replace_bf16(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps):
+            return replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps)
+
+        return replace_bf16
+    return replace
+
+
+# ------------------------------------------------------------------------------------------
+# Sites: every K-cache write of a partially rotated row
+# ------------------------------------------------------------------------------------------
+
+_THROUGH = (
+    prims.convert_element_type.default, aten.clamp_min.default, aten.clamp_max.default, aten.div.Tensor,
+    aten.permute.default, aten.reshape.default, aten.view.default, aten.clone.default,
+)  # fmt: skip
+
+
+def _is_rotation(node) -> bool:
+    """A RoPE's rotated half (mla_prologue.is_site), or the cat / stack of the two (fp32 NeoX
+    halves, GPT-J pairs): any RoPE layout, so one this family does not fuse is still a site."""
+    for _ in range(4):
+        if not isinstance(node, torch.fx.Node) or node.target not in (*_THROUGH, aten.unsqueeze.default):
+            break
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target is aten.cat.default:
+        return any(_is_rotation(x) for x in node.args[0] if isinstance(x, torch.fx.Node) and x is not node)
+    return mla_prologue.is_site(node)
+
+
+def _partial_rope_rows(node) -> bool:
+    for _ in range(6):
+        if not isinstance(node, torch.fx.Node):
+            return False
+        if node.target is aten.cat.default:
+            parts = node.args[0]
+            return len(parts) == 2 and _is_rotation(parts[0])
+        if node.target not in _THROUGH:
+            return False
+        node = node.args[0]
+    return False
+
+
+def is_site(node: torch.fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is aten.index_put.default
+        and len(node.args) >= 3
+        and _partial_rope_rows(node.args[2])
+    )
+
+
+def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    return None  # Inductor's FailedMatch text (registry.failed_match_reason)
+
+
+def _facts_with_angles(nodes, inputs):
+    facts = facts_of(nodes, inputs)
+    facts["angles_duplicated"] = all(mla_prologue._duplicated_halves(inputs.get(n)) for n in ("cos", "sin"))
+    # q's and k's subgraphs have the same shape: the matcher can bind both to k's nodes.
+    facts["q_is_k"] = inputs.get("q") is inputs.get("k")
+    return facts
+
+
+FAMILY = Family(
+    name="gqa_prologue",
+    variants=VARIANTS,
+    dtype_combos=DTYPE_COMBOS,
+    example_inputs=example_inputs,
+    scalars=SCALARS,
+    guard=guard,
+    replacement=replacement,
+    facts_of=_facts_with_angles,
+    is_site=is_site,
+    explain=explain,
+    source_modules=(__name__, gqa_ops.__name__),
+)

@@ -1,0 +1,282 @@
+"""The GQA attention-prologue family (MiniMax-M2.5, Qwen3.5) on real model code.
+
+- HF transformers' MiniMaxM2 (2 layers) and Qwen3.5 (4 layers: 3 GDN, 1 full attention), a
+  decode step on HF's static cache: one site per attention layer (strict against the adapters'
+  expectations), the q/k norms inside it, logits equal eager's within bf16 tolerance, the cache
+  rows at the new position close to eager's and every other cache byte unchanged.
+- Our serving-engine references (model_adapters/*/reference.py: fused qkv, paged caches, bf16
+  and FP8): a 2-layer stack fuses one site per layer; q, the gate and the cache bytes match
+  eager (FP8 codes: equal except rounding ties), untouched slots unchanged.
+- Near misses: per-head norm where full-width is expected and the reverse, a plain ``w`` where
+  Gemma's ``1 + w`` is expected (and an offset other than 1), RoPE over all dims where partial
+  is expected, GPT-J pairs where NeoX halves are expected. Each is a reported miss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_compiler as fc
+from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.model_adapters.minimax_m2 import reference as minimax
+from fusion_compiler.model_adapters.qwen35 import reference as qwen
+from fusion_compiler.patterns import add_rms_norm, gqa_prologue, mla_prologue
+from fusion_compiler.verify import relative_error
+
+FAMILY = "gqa_prologue"
+FP8 = torch.float8_e4m3fn
+
+
+def _run_hf(name: str, layers: int):
+    adapter = get_adapter(name)
+    model = adapter.build_hf(size="tiny", layers=layers, dtype=torch.bfloat16)
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=adapter.expected_sites(model)))
+    eager_step, fused_step = make_decode_step(model), make_decode_step(model)
+    eager = eager_step.run(model)
+    fused = fused_step.run(torch.compile(model, backend=backend))
+    return dict(report=backend.report, eager=eager, fused=fused, eager_step=eager_step, fused_step=fused_step)
+
+
+@pytest.fixture(scope="module")
+def hf_minimax():
+    return _run_hf("minimax-m2.5", 2)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen():
+    return _run_hf("qwen3.5", 4)
+
+
+def _assert_hf_caches(run, attention_layers):
+    """The new position's K/V rows close to eager's; every other cache byte unchanged."""
+    position = run["eager_step"].context
+    for i in attention_layers:
+        eager_layer, fused_layer = run["eager_step"].cache.layers[i], run["fused_step"].cache.layers[i]
+        for eager_cache, fused_cache in ((eager_layer.keys, fused_layer.keys), (eager_layer.values, fused_layer.values)):
+            others = torch.ones(eager_cache.shape[2], dtype=torch.bool)
+            others[position] = False
+            assert torch.equal(fused_cache[:, :, others], eager_cache[:, :, others])
+            assert relative_error(fused_cache[:, :, position], eager_cache[:, :, position]) < 1e-2
+
+
+def test_hf_minimax_every_layer_fuses_its_prologue(hf_minimax):
+    report = hf_minimax["report"]
+    assert report.misses() == [], report.format()
+    assert report.missing_expected() == []
+    assert report.expected_per_layer(FAMILY) == {0: 1, 1: 1}
+    assert report.per_variant()["minimax.hf"] == 2
+    # The q/k norms went into the prologue: no RoPE is left for the MLA family to report.
+    assert report.sites and not [s for s in report.sites if s.family == "mla_prologue"]
+    assert relative_error(hf_minimax["fused"], hf_minimax["eager"]) < 2e-2
+    _assert_hf_caches(hf_minimax, (0, 1))
+
+
+def test_hf_qwen_every_full_attention_layer_fuses_its_prologue(hf_qwen):
+    report = hf_qwen["report"]
+    assert report.misses(FAMILY) == [] and report.missing_expected() == [], report.format()
+    assert report.expected_per_layer(FAMILY) == {3: 1}
+    assert report.per_variant()["qwen.hf"] == 1
+    assert relative_error(hf_qwen["fused"], hf_qwen["eager"]) < 2e-2
+    _assert_hf_caches(hf_qwen, (3,))
+
+
+# ------------------------------------------------------------------------------------------
+# Our serving-engine references, paged caches
+# ------------------------------------------------------------------------------------------
+
+
+class Stack(torch.nn.Module):
+    """Two reference attention prologues, one per layer, each with its own caches; returns
+    every layer's q (and Qwen's gate)."""
+
+    def __init__(self, ref, cfg):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ref.Attention(cfg) for _ in range(2))
+        for layer in self.layers:  # norm weights away from their init
+            torch.nn.init.normal_(layer.q_norm_weight, 0.0 if ref is qwen else 1.0, 0.1)
+            torch.nn.init.normal_(layer.k_norm_weight, 0.0 if ref is qwen else 1.0, 0.1)
+
+    def forward(self, x, table, positions, slots, caches, k_scale, v_scale):
+        outs = []
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            outs.append(layer.prologue(x, table, positions, slots, k_cache, v_cache, k_scale, v_scale))
+            x = x * 0.5  # each layer its own input
+        return outs
+
+
+def _run_reference(ref, kv_cache_dtype: str, scales=(1.0, 1.0)):
+    import dataclasses
+
+    cfg = dataclasses.replace(ref.TINY, kv_cache_dtype=kv_cache_dtype, block_size=4)
+    torch.manual_seed(0)
+    model = Stack(ref, cfg).bfloat16()
+    tokens = 3
+    x = torch.randn(tokens, cfg.hidden_size, dtype=torch.bfloat16)
+    table = ref.rope_cos_sin_cache(cfg)
+    positions, slots = torch.tensor([5, 0, 17]), torch.tensor([13, 2, 7])
+
+    def caches():
+        gen = torch.Generator().manual_seed(1)
+        shape = (6, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [tuple(torch.randn(*shape, generator=gen).to(cfg.cache_dtype) for _ in range(2)) for _ in range(2)]
+
+    eager_caches, fused_caches, pristine = caches(), caches(), caches()
+    expected = {FAMILY: {"layers.0": 1, "layers.1": 1}}
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    with torch.no_grad():
+        eager = model(x, table, positions, slots, eager_caches, *scales)
+        fused = torch.compile(model, backend=backend)(x, table, positions, slots, fused_caches, *scales)
+    return dict(report=backend.report, eager=eager, fused=fused, slots=slots,
+                eager_caches=eager_caches, fused_caches=fused_caches, pristine=pristine)  # fmt: skip
+
+
+def _flat(cache):
+    return cache.view(-1, *cache.shape[2:])
+
+
+def _assert_reference_run(run, variant):
+    report = run["report"]
+    assert report.misses(FAMILY) == [] and report.missing_expected() == [], report.format()
+    assert report.expected_per_layer(FAMILY) == {0: 1, 1: 1}
+    assert report.per_variant()[variant] == 2
+    for eager, fused in zip(run["eager"], run["fused"]):
+        if isinstance(eager, tuple):  # Qwen: (q, gate); the gate passes through untouched
+            assert torch.equal(fused[1], eager[1])
+            eager, fused = eager[0], fused[0]
+        # One rounding per norm in the op, two in MiniMax's HF-style norm: bf16 tolerance.
+        assert relative_error(fused, eager) < 1e-2
+    untouched = torch.ones(_flat(run["pristine"][0][0]).shape[0], dtype=torch.bool)
+    untouched[run["slots"]] = False
+    for layer in range(2):
+        for which in range(2):
+            eager, fused = _flat(run["eager_caches"][layer][which]), _flat(run["fused_caches"][layer][which])
+            pristine = _flat(run["pristine"][layer][which])
+            assert torch.equal(fused[untouched].view(torch.uint8), pristine[untouched].view(torch.uint8))
+            written = fused[run["slots"]].float(), eager[run["slots"]].float()
+            if fused.dtype == FP8:  # codes one step apart at most (the norm rounds once here)
+                step = written[1].abs().clamp(min=2**-6) * 2**-2
+                assert ((written[0] - written[1]).abs() <= step).float().mean() > 0.97
+            else:
+                assert relative_error(*written) < 1e-2
+
+
+def test_minimax_reference_bf16_cache():
+    _assert_reference_run(_run_reference(minimax, "bf16"), "minimax.paged_bf16")
+
+
+def test_qwen_reference_fp8_cache():
+    _assert_reference_run(_run_reference(qwen, "fp8", scales=(0.05, 0.02)), "qwen.paged_fp8")
+
+
+# ------------------------------------------------------------------------------------------
+# Near misses
+# ------------------------------------------------------------------------------------------
+
+
+def _norm(kind: str):
+    return {
+        "full": lambda x, w, eps, d: add_rms_norm.hf(x, w, eps).view(x.shape[0], -1, d),
+        "head": lambda x, w, eps, d: add_rms_norm.hf(x.view(x.shape[0], -1, d), w, eps),
+        "gemma_head": lambda x, w, eps, d: add_rms_norm.gemma(x.view(x.shape[0], -1, d), w, eps),
+        "gemma_full": lambda x, w, eps, d: add_rms_norm.gemma(x, w, eps).view(x.shape[0], -1, d),
+        "plain_w_head": lambda x, w, eps, d: add_rms_norm.torch_functional(x.view(x.shape[0], -1, d), w, eps),
+        "offset_half_head": lambda x, w, eps, d: (
+            add_rms_norm._normalize(x.view(x.shape[0], -1, d).float(), eps) * (0.5 + w.float())
+        ).to(x.dtype),
+    }[kind]
+
+
+def _rope(kind: str, rot: int):
+    if kind == "gptj":  # pairs on the first rot dims
+        return lambda x, cos, sin: torch.cat(
+            [mla_prologue.rope_pairs(x[..., :rot], cos[:, None], sin[:, None]), x[..., rot:]], dim=-1
+        )
+    return gqa_prologue.rope_partial_fp32
+
+
+class Prologue(torch.nn.Module):
+    """A paged-cache GQA prologue with the norm and RoPE spelled as asked."""
+
+    def __init__(self, norm: str, rope: str = "neox", rot: int = 8):
+        super().__init__()
+        self.norm, self.rope, self.rot = _norm(norm), _rope(rope, rot), rot
+
+    def forward(self, q, k, v, qw, kw, table, positions, k_cache, v_cache, slots):
+        d = k_cache.shape[-1]
+        cos, sin = table[positions].chunk(2, dim=-1)
+        cos, sin = cos[:, : self.rot // 2], sin[:, : self.rot // 2]
+        q = self.rope(self.norm(q, qw, 1e-6, d), cos, sin)
+        k = self.rope(self.norm(k, kw, 1e-6, d), cos, sin)
+        k_cache.view(-1, *k_cache.shape[2:]).index_put_((slots,), k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_put_((slots,), v.view(-1, *v_cache.shape[2:]))
+        return q
+
+
+def _near_miss(norm: str, rope: str = "neox", rot: int = 8, full_weights: bool = False):
+    t, hq, hkv, d = 3, 4, 2, 16
+    q, k = torch.randn(t, hq * d, dtype=torch.bfloat16), torch.randn(t, hkv * d, dtype=torch.bfloat16)
+    v = torch.randn(t, hkv * d, dtype=torch.bfloat16)
+    qw = torch.randn(hq * d if full_weights else d, dtype=torch.bfloat16)
+    kw = torch.randn(hkv * d if full_weights else d, dtype=torch.bfloat16)
+    table = torch.randn(32, max(rot, 16))
+    caches = [torch.randn(4, 4, hkv, d, dtype=torch.bfloat16) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+    args = (q, k, v, qw, kw, table, torch.tensor([3, 1, 30]))
+    slots = torch.tensor([0, 9, 5])
+    module = Prologue(norm, rope, rot)
+    backend = fc.FusionBackend(fc.FusionConfig(families={"add_rms_norm": "off", "mla_prologue": "off"}))
+    with torch.no_grad():
+        expected = module(*args, *eager_caches, slots)
+        actual = torch.compile(module, backend=backend)(*args, *caches, slots)
+    assert relative_error(actual, expected) < 1e-2 and relative_error(caches[0], eager_caches[0]) < 1e-2
+    return backend.report
+
+
+def _assert_missed(report, *words):
+    assert report.per_variant() == {}, report.format()
+    [miss] = report.misses(FAMILY)
+    assert all(w in miss.reason for w in words), miss.reason
+
+
+def test_the_full_width_spelling_matches():
+    assert _near_miss("full", full_weights=True).per_variant() == {"minimax.paged_bf16": 1}
+
+
+def test_per_head_norm_where_full_width_is_expected_does_not_match():
+    _assert_missed(_near_miss("head"))
+
+
+def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
+    _assert_missed(_near_miss("gemma_full", full_weights=True))
+
+
+def test_plain_weight_where_gemma_is_expected_does_not_match():
+    _assert_missed(_near_miss("plain_w_head"))
+
+
+def test_gemma_offset_other_than_one_does_not_match():
+    """The 1.0 is a literal of the traced pattern (the guard checks it too: ``_norm_reason``)."""
+    _assert_missed(_near_miss("offset_half_head"))
+
+
+def test_rope_over_all_dims_where_partial_is_expected_does_not_match():
+    _assert_missed(_near_miss("full", rot=16, full_weights=True))
+
+
+def test_guard_names_full_rope_gptj_steps_and_norm_widths():
+    variant = next(v for v in gqa_prologue.VARIANTS if v.name == "minimax.paged_bf16")
+    d, rot, end = 16, 8, gqa_prologue._NO_END
+    partial = {(0, 4, 1), (4, 8, 1), (8, end, 1)}
+    assert gqa_prologue._rope_reason(partial, rot, d, "paged") is None
+    assert "all 16 dims" in gqa_prologue._rope_reason({(0, 8, 1), (8, 16, 1), (16, end, 1)}, 16, d, "paged")
+    assert "GPT-J" in gqa_prologue._rope_reason({(0, 8, 2), (1, 8, 2), (8, end, 1)}, rot, d, "paged")
+    values = {"norm_widths": {16}, "weight_offsets": set()}
+    assert "per-head where full-width" in gqa_prologue._norm_reason(values, variant.params["norm"], 4, 2, d)
+    values = {"norm_widths": {64, 32}, "weight_offsets": {1.0}}
+    assert "full-width where per-head" in gqa_prologue._norm_reason(values, "qwen", 4, 2, d)
+    assert "Gemma" in gqa_prologue._norm_reason({"norm_widths": {16}, "weight_offsets": {0.5}}, "qwen", 4, 2, d)
+
+
+def test_gptj_pairs_where_neox_is_expected_do_not_match():
+    _assert_missed(_near_miss("full", rope="gptj", full_weights=True))
