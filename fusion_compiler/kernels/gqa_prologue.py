@@ -1,7 +1,7 @@
 """GQA attention prologue (q/k RMSNorm + partial NeoX RoPE + K/V cache write): one Triton kernel
 and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference must match).
 
-Design: one program per token holds the token's q, k and v rows as [heads, head_dim] tiles
+Design: three programs per token (q; k and its cache write; v's cache write) hold the token's rows as [heads, head_dim] tiles
 (each padded to a power of two; rows addressed by token and head strides, so Qwen3.5's q
 inside its [q | gate] head rows is read in place), so a full-width norm is one reduction over
 the tile and a per-head norm one reduction over axis 1. RoPE lanes gather their NeoX partner from memory (a
@@ -13,7 +13,8 @@ to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``valu
 the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any row stride) are
 read at ``positions[t]``, or at row t without positions.
 
-Not tuned: decode launches T programs, one per token. This module imports only torch and
+gqa_prologue-3 (one program per token doing q, then k, then v) reached 33-43% of HBM at 4096
+tokens on the H200 (bench/NOTES.md): each program's three phases ran one after the other. This module imports only torch and
 triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
 """
 
@@ -26,7 +27,7 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-3"
+KERNEL_VERSION = "gqa_prologue-4"
 
 
 @triton.jit
@@ -54,8 +55,9 @@ def _norm_rope(X, stride_h, W, COS, SIN, cos_row, sin_row, heads, eps, weight_of
         w_self, w_base = d, 0 * h
     normed = _normed(x, W, w_self, mask, rstd, weight_offset, OUT_DTYPE)
     partner, pair, first = rope_neox_lanes(d, ROT // 2)
-    x_p = upcast(tl.load(X + h * stride_h + partner, mask=mask, other=0.0))
-    normed_p = _normed(x_p, W, w_base + partner, mask, rstd, weight_offset, OUT_DTYPE)
+    rotary = mask & (d < ROT)  # only rotary lanes need their partner
+    x_p = upcast(tl.load(X + h * stride_h + partner, mask=rotary, other=0.0))
+    normed_p = _normed(x_p, W, w_base + partner, rotary, rstd, weight_offset, OUT_DTYPE)
     c = upcast(tl.load(COS + cos_row + pair, mask=d < ROT, other=1.0))
     s = upcast(tl.load(SIN + sin_row + pair, mask=d < ROT, other=0.0))
     return tl.where(d < ROT, round_trip(rotate(normed, normed_p, c, s, first), OUT_DTYPE), normed)
@@ -88,28 +90,34 @@ def _gqa_prologue_kernel(
     ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    if HAS_POSITIONS:
-        row = tl.load(POS + t).to(tl.int64)
-    else:
-        row = t
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    cos_row, sin_row = row * stride_cos, row * stride_sin
-
-    q = _norm_rope(Q + t * stride_qt, stride_qh, QW, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
-                   HQ_PAD, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
-    hq = tl.arange(0, HQ_PAD)[:, None]
+    # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v. Split so a
+    # token's three rows are in flight at once instead of one after the other.
+    t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
-    tl.store(Q_OUT + t * stride_qo + hq * D + d, downcast(q, Q_OUT.dtype.element_ty), mask=(hq < heads) & (d < D))
-
-    k = _norm_rope(K + t * stride_kt, stride_kh, KW, COS, SIN, cos_row, sin_row, kv_heads, eps, weight_offset,
-                   HKV_PAD, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
-    _write_cache(K_CACHE, K_CACHE_U8, k, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off, stride_kc_h,
-                 BLOCK_SIZE, HKV_PAD, D, D_PAD, K_FP8)
-    hk = tl.arange(0, HKV_PAD)[:, None]
-    v = upcast(tl.load(V + t * stride_vt + hk * stride_vh + d, mask=(hk < kv_heads) & (d < D), other=0.0))
-    _write_cache(V_CACHE, V_CACHE_U8, v, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off, stride_vc_h,
-                 BLOCK_SIZE, HKV_PAD, D, D_PAD, V_FP8)
+    if role == 2:
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        hk = tl.arange(0, HKV_PAD)[:, None]
+        v = upcast(tl.load(V + t * stride_vt + hk * stride_vh + d, mask=(hk < kv_heads) & (d < D), other=0.0))
+        _write_cache(V_CACHE, V_CACHE_U8, v, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off, stride_vc_h,
+                     BLOCK_SIZE, HKV_PAD, D, D_PAD, V_FP8)
+    else:
+        if HAS_POSITIONS:
+            row = tl.load(POS + t).to(tl.int64)
+        else:
+            row = t
+        cos_row, sin_row = row * stride_cos, row * stride_sin
+        if role == 0:
+            q = _norm_rope(Q + t * stride_qt, stride_qh, QW, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
+                           HQ_PAD, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
+            hq = tl.arange(0, HQ_PAD)[:, None]
+            tl.store(Q_OUT + t * stride_qo + hq * D + d, downcast(q, Q_OUT.dtype.element_ty),
+                     mask=(hq < heads) & (d < D))
+        else:
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            k = _norm_rope(K + t * stride_kt, stride_kh, KW, COS, SIN, cos_row, sin_row, kv_heads, eps,
+                           weight_offset, HKV_PAD, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
+            _write_cache(K_CACHE, K_CACHE_U8, k, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off, stride_kc_h,
+                         BLOCK_SIZE, HKV_PAD, D, D_PAD, K_FP8)
 
 
 def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, int, int]:
@@ -141,7 +149,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
         return cache.view(torch.uint8) if cache.dtype == fp8 else cache
 
     def _launch():
-        _gqa_prologue_kernel[(tokens,)](
+        _gqa_prologue_kernel[(tokens, 3)](
             q, k, v, q_norm_weight, k_norm_weight, cos, sin, slots if positions is None else positions, slots,
             k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),

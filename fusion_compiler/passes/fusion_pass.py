@@ -15,6 +15,7 @@ from ..patterns.registry import Family, failed_match_reason, run_family, source_
 from . import canonicalize as canonicalize_module
 from ..module_paths import module_path
 from .horizontal import merge_prologues
+from .rope_gather import fold_rope_gathers
 from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")
@@ -50,6 +51,8 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph, model_nodes))
         if self.config.horizontal_merge and self.config.lowering("mla_prologue") == "triton":
             graph_report.merged.extend(merge_prologues(graph))
+        if self.config.lowering("gqa_prologue") == "triton":
+            graph_report.folded_rope_gathers = fold_rope_gathers(graph, torch.ops.fusion_compiler.gqa_prologue.default)
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -90,6 +93,8 @@ class FusionPass(_compat.CustomGraphPass):
         log.info("fusion_compiler graph %d: %s", graph_report.graph_index, one.summary())
         for layer, kind, members in graph_report.merged:
             log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
+        if graph_report.folded_rope_gathers:
+            log.info("  folded the RoPE table gather into %d gqa prologue(s)", graph_report.folded_rope_gathers)
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():

@@ -32,6 +32,8 @@ class GraphReport:
     modules_in_graph: set[str] = dataclasses.field(default_factory=set)
     # (layer, op kind, sites folded) for every launch the horizontal merge built.
     merged: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    # gqa prologues that read their RoPE table at the positions (passes/rope_gather.py).
+    folded_rope_gathers: int = 0
 
     def matched(self, family: str | None = None) -> list[Site]:
         return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
@@ -107,10 +109,14 @@ class MatchReport:
         """(layer, op kind, sites folded) of every launch the horizontal merge built."""
         return [m for g in self.graphs for m in g.merged]
 
+    def folded_rope_gathers(self) -> int:
+        return sum(g.folded_rope_gathers for g in self.graphs)
+
     def to_dict(self) -> dict:
         return {
             "graphs": len(self.graphs),
             "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
+            "folded_rope_gathers": self.folded_rope_gathers(),
             "matches": self.per_variant(),
             "sites": [dataclasses.asdict(s) | {"layer": s.layer} for s in self.sites],
             "missing_expected": [
@@ -122,6 +128,8 @@ class MatchReport:
         lines = [self.summary()]
         for layer, kind, count in self.merges():
             lines.append(f"  merged {count} {kind}-prologue sites of {layer} into one launch")
+        if self.folded_rope_gathers():
+            lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
         for s in self.misses():
             lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
         for family, module, expected, found in self.missing_expected():

@@ -113,4 +113,4 @@ def test_model_layouts(model):
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-3"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-4"

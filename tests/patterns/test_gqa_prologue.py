@@ -5,8 +5,9 @@
   expectations), the q/k norms inside it, logits equal eager's within bf16 tolerance, the cache
   rows at the new position close to eager's and every other cache byte unchanged.
 - Our serving-engine references (model_adapters/*/reference.py: fused qkv, paged caches, bf16
-  and FP8): a 2-layer stack fuses one site per layer; q, the gate and the cache bytes match
-  eager (FP8 codes: equal except rounding ties), untouched slots unchanged.
+  and FP8): a 2-layer stack fuses one site per layer, each reading the RoPE table at the
+  positions itself (passes/rope_gather.py); q, the gate and the cache bytes match eager (FP8
+  codes: mostly equal, see below), untouched slots unchanged.
 - Near misses: per-head norm where full-width is expected and the reverse, a plain ``w`` where
   Gemma's ``1 + w`` is expected (and an offset other than 1), RoPE over all dims where partial
   is expected, GPT-J pairs where NeoX halves are expected. Each is a reported miss.
@@ -140,6 +141,8 @@ def _assert_reference_run(run, variant):
     assert report.misses(FAMILY) == [] and report.missing_expected() == [], report.format()
     assert report.expected_per_layer(FAMILY) == {0: 1, 1: 1}
     assert report.per_variant()[variant] == 2
+    # Both prologues read the RoPE table at the positions themselves: the gather is gone.
+    assert report.folded_rope_gathers() == 2
     for eager, fused in zip(run["eager"], run["fused"]):
         if isinstance(eager, tuple):  # Qwen: (q, gate); the gate passes through untouched
             assert torch.equal(fused[1], eager[1])
