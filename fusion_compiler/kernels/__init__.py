@@ -13,6 +13,7 @@ def _register_versions() -> None:
     KERNEL_VERSIONS["moe_routing"] = moe_route.KERNEL_VERSION
     KERNEL_VERSIONS["gqa_prologue"] = gqa_prologue.KERNEL_VERSION
     KERNEL_VERSIONS["gdn_decode"] = gdn_decode.KERNEL_VERSION
+    KERNEL_VERSIONS["gdn"] = gdn_decode.KERNEL_VERSION  # the family's name (patterns/gdn.py)
 
 
 try:
@@ -24,3 +25,4 @@ except ImportError:
     KERNEL_VERSIONS["moe_routing"] = "triton-missing"
     KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"
     KERNEL_VERSIONS["gdn_decode"] = "triton-missing"
+    KERNEL_VERSIONS["gdn"] = "triton-missing"

@@ -13,8 +13,9 @@ to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``valu
 the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any row stride) are
 read at ``positions[t]``, or at row t without positions.
 
-gqa_prologue-3 (one program per token doing q, then k, then v) reached 33-43% of HBM at 4096
-tokens on the H200 (bench/NOTES.md): each program's three phases ran one after the other. This module imports only torch and
+History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
+tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
+-5 walks head blocks to cut each program's registers. This module imports only torch and
 triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
 """
 
@@ -27,7 +28,8 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-4"
+KERNEL_VERSION = "gqa_prologue-5"
+_BLOCK_LANES = 1024
 
 
 @triton.jit
@@ -38,17 +40,29 @@ def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(X, stride_h, W, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
-               HEADS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
-               FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """rope(norm(x)) of one token's [heads, D] rows at X (head stride stride_h), in fp32
-    (rounded values)."""
-    h = tl.arange(0, HEADS_PAD)[:, None]
+def _full_width_rstd(X, stride_h, heads, eps, HB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     N_BLOCKS: tl.constexpr):
+    """1 / rms over all of a token's heads, summed HB heads at a time."""
+    d = tl.arange(0, D_PAD)[None, :]
+    acc = tl.zeros([HB, D_PAD], dtype=tl.float32)
+    for block in range(N_BLOCKS):
+        h = block * HB + tl.arange(0, HB)[:, None]
+        x = upcast(tl.load(X + h * stride_h + d, mask=(h < heads) & (d < D), other=0.0))
+        acc += x * x
+    return tl.math.rsqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / (heads * D) + eps)
+
+
+@triton.jit
+def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
+               D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, FULL_WIDTH: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):
+    """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h),
+    in fp32 (rounded values). Full width: the token's rstd is given."""
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < heads) & (d < D)
     x = upcast(tl.load(X + h * stride_h + d, mask=mask, other=0.0))
     if FULL_WIDTH:
-        rstd = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (heads * D) + eps)
+        rstd = full_rstd
         w_self, w_base = h * D + d, h * D
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
@@ -64,10 +78,9 @@ def _norm_rope(X, stride_h, W, COS, SIN, cos_row, sin_row, heads, eps, weight_of
 
 
 @triton.jit
-def _write_cache(CACHE, CACHE_U8, value, slot, kv_heads, scale, stride_blk, stride_off, stride_h,
-                 BLOCK_SIZE: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 FP8_CACHE: tl.constexpr):
-    h = tl.arange(0, HKV_PAD)[:, None]
+def _write_cache(CACHE, CACHE_U8, value, h, slot, kv_heads, scale, stride_blk, stride_off, stride_h,
+                 BLOCK_SIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """Heads ``h`` ([HB, 1]) of one token's cache row at ``slot`` (-1: nothing)."""
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < kv_heads) & (d < D) & (slot >= 0)
     slot = tl.maximum(slot, 0)
@@ -86,20 +99,22 @@ def _gqa_prologue_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     heads, kv_heads, eps, weight_offset, k_scale, v_scale,
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    HB: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
-    # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v. Split so a
-    # token's three rows are in flight at once instead of one after the other.
+    # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB
+    # heads at a time (a full-width norm sums all of them first, then re-reads them).
     t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
+    hb = tl.arange(0, HB)[:, None]
     if role == 2:
         slot = tl.load(SLOTS + t).to(tl.int64)
-        hk = tl.arange(0, HKV_PAD)[:, None]
-        v = upcast(tl.load(V + t * stride_vt + hk * stride_vh + d, mask=(hk < kv_heads) & (d < D), other=0.0))
-        _write_cache(V_CACHE, V_CACHE_U8, v, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off, stride_vc_h,
-                     BLOCK_SIZE, HKV_PAD, D, D_PAD, V_FP8)
+        for block in range(KV_BLOCKS):
+            h = block * HB + hb
+            v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
+            _write_cache(V_CACHE, V_CACHE_U8, v, h, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
+                         stride_vc_h, BLOCK_SIZE, D, D_PAD, V_FP8)
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
@@ -107,17 +122,27 @@ def _gqa_prologue_kernel(
             row = t
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
-            q = _norm_rope(Q + t * stride_qt, stride_qh, QW, COS, SIN, cos_row, sin_row, heads, eps, weight_offset,
-                           HQ_PAD, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
-            hq = tl.arange(0, HQ_PAD)[:, None]
-            tl.store(Q_OUT + t * stride_qo + hq * D + d, downcast(q, Q_OUT.dtype.element_ty),
-                     mask=(hq < heads) & (d < D))
+            X, stride_h, n, blocks = Q + t * stride_qt, stride_qh, heads, Q_BLOCKS
+        else:
+            X, stride_h, n, blocks = K + t * stride_kt, stride_kh, kv_heads, KV_BLOCKS
+        full_rstd = 0.0
+        if FULL_WIDTH:
+            full_rstd = _full_width_rstd(X, stride_h, n, eps, HB, D, D_PAD, blocks)
+        if role == 0:
+            for block in range(Q_BLOCKS):
+                h = block * HB + hb
+                q = _norm_rope(X, stride_h, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
+                               weight_offset, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
+                tl.store(Q_OUT + t * stride_qo + h * D + d, downcast(q, Q_OUT.dtype.element_ty),
+                         mask=(h < heads) & (d < D))
         else:
             slot = tl.load(SLOTS + t).to(tl.int64)
-            k = _norm_rope(K + t * stride_kt, stride_kh, KW, COS, SIN, cos_row, sin_row, kv_heads, eps,
-                           weight_offset, HKV_PAD, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
-            _write_cache(K_CACHE, K_CACHE_U8, k, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off, stride_kc_h,
-                         BLOCK_SIZE, HKV_PAD, D, D_PAD, K_FP8)
+            for block in range(KV_BLOCKS):
+                h = block * HB + hb
+                k = _norm_rope(X, stride_h, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
+                               weight_offset, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
+                _write_cache(K_CACHE, K_CACHE_U8, k, h, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off,
+                             stride_kc_h, BLOCK_SIZE, D, D_PAD, K_FP8)
 
 
 def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, int, int]:
@@ -142,6 +167,9 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     if not (q_out.is_contiguous() and q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
         raise ValueError("q_out and the norm weights must be contiguous")
     fp8 = torch.float8_e4m3fn
+    d_pad = triton.next_power_of_2(head_dim)
+    # ~1024 lanes a block: few registers a program, so many programs stay in flight.
+    hb = max(1, min(triton.next_power_of_2(max(heads, kv_heads)), _BLOCK_LANES // d_pad))
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
@@ -155,11 +183,10 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h,
             heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale),
-            HQ_PAD=triton.next_power_of_2(heads), HKV_PAD=triton.next_power_of_2(kv_heads), D=head_dim,
-            D_PAD=triton.next_power_of_2(head_dim), ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
+            HB=hb, Q_BLOCKS=triton.cdiv(heads, hb), KV_BLOCKS=triton.cdiv(kv_heads, hb), D=head_dim,
+            D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8,
-            num_warps=8 if heads * head_dim >= 4096 else 4,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=4,
         )
 
     launch_on_device(q, _launch)

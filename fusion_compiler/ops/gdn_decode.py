@@ -50,8 +50,9 @@ gate (vLLM does all of it in fp32; the difference is one bf16 rounding). Reducti
 a different order than HF's, so fp32 states agree to a few ulp and outputs to bf16 tolerance
 (tests/ops/test_gdn_decode.py measures both).
 
-On CUDA the op runs ``kernels/gdn_decode.py`` (checked under the Triton interpreter; not yet
-run on the GPU). No pattern emits it yet.
+On CUDA the op runs ``kernels/gdn_decode.py`` (checked under the Triton interpreter and on the
+H200). ``patterns/gdn.py`` emits it (lowering "triton") or ``gdn_decode_canonical``, the same
+math as a functional graph (lowering "inductor").
 """
 
 from __future__ import annotations
@@ -151,31 +152,24 @@ def _l2norm(x, eps):
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gdn_decode_reference(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps,
-                         conv_state, recurrent_state, state_slots):  # fmt: skip
-    """Plain torch, any device; updates both states in place and returns out [T, Hv * Dv]."""
-    dims = _validate(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_state,
-                     recurrent_state, state_slots)  # fmt: skip
+def _step(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_rows, state_rows,
+          dims: GdnDims):  # fmt: skip
+    """One decode step of n rows whose states were gathered already: conv_rows [n, conv_dim, W],
+    state_rows [n, Hv, Dk, Dv] fp32. Returns (out [n, Hv * Dv], new conv rows, new state rows)."""
     hk, dk, hv, dv, kernel = dims.key_heads, dims.key_dim, dims.value_heads, dims.value_dim, dims.kernel
-    act = mixed_qkv.dtype
-    out = mixed_qkv.new_zeros(mixed_qkv.shape[0], hv * dv)
-    live, slots = _live_slots(state_slots, conv_state.shape[0])
-    n = live.numel()
-    if n == 0:
-        return out
+    act, n = mixed_qkv.dtype, mixed_qkv.shape[0]
 
     # causal_conv1d_update: the window is cast to the weight's dtype, conv1d accumulates in fp32
     # and rounds once, SiLU in the weight's dtype, then back to the activation dtype.
     w = conv_weight.reshape(dims.conv_dim, kernel)
-    window = torch.cat([conv_state[slots], mixed_qkv[live].unsqueeze(-1)], dim=-1).to(w.dtype)
-    conv_state[slots] = window[..., 1:].to(conv_state.dtype)
+    window = torch.cat([conv_rows, mixed_qkv.unsqueeze(-1)], dim=-1).to(w.dtype)
     conv = (window[..., -kernel:].float() * w.float()).sum(-1).to(w.dtype)
     qkv = F.silu(conv).to(act)
     q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
 
-    beta = b[live].sigmoid()  # rounded to b's dtype, as in HF
-    g = -A_log.float().exp() * F.softplus(a[live].float() + dt_bias)
+    beta = b.sigmoid()  # rounded to b's dtype, as in HF
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     q = q.repeat_interleave(dims.ratio, dim=1)
     k = k.repeat_interleave(dims.ratio, dim=1)
 
@@ -183,20 +177,70 @@ def gdn_decode_reference(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_w
     q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
     q, k = _l2norm(q, qk_l2norm_eps), _l2norm(k, qk_l2norm_eps)
     q = q / (dk**0.5)
-    state = recurrent_state[slots] * g.exp()[..., None, None]
+    state = state_rows * g.exp()[..., None, None]
     kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     o = (state * q.unsqueeze(-1)).sum(dim=-2).to(act)
-    recurrent_state[slots] = state
 
     # Qwen3_5MoeRMSNormGated: norm in fp32, rounded, weight applied in the promoted dtype, gate in fp32.
     h = o.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = norm_weight * h.to(act)
-    h = h * F.silu(z[live].reshape(n, hv, dv).float())
-    out[live] = h.to(act).reshape(n, hv * dv)
+    h = h * F.silu(z.reshape(n, hv, dv).float())
+    return h.to(act).reshape(n, hv * dv), window[..., 1:], state
+
+
+def gdn_decode_reference(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps,
+                         conv_state, recurrent_state, state_slots):  # fmt: skip
+    """Plain torch, any device; updates both states in place and returns out [T, Hv * Dv]."""
+    dims = _validate(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_state,
+                     recurrent_state, state_slots)  # fmt: skip
+    out = mixed_qkv.new_zeros(mixed_qkv.shape[0], dims.value_heads * dims.value_dim)
+    live, slots = _live_slots(state_slots, conv_state.shape[0])
+    if live.numel() == 0:
+        return out
+    rows, conv_rows, state_rows = _step(
+        mixed_qkv[live], z[live], b[live], a[live], conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps,
+        conv_state[slots], recurrent_state[slots], dims,
+    )  # fmt: skip
+    conv_state[slots] = conv_rows.to(conv_state.dtype)
+    recurrent_state[slots] = state_rows
+    out[live] = rows
     return out
+
+
+ARG_NAMES = ("mixed_qkv", "z", "b", "a", "conv_weight", "A_log", "dt_bias", "norm_weight", "eps", "qk_l2norm_eps",
+             "conv_state", "recurrent_state", "state_slots")  # fmt: skip
+
+
+def gdn_decode_canonical(**kwargs):
+    """The same math as a functional graph Inductor fuses (lowering "inductor"): returns (out,
+    new conv_state, new recurrent_state), as ``auto_functionalized`` does. Every row is computed
+    on the state at its slot clamped to >= 0; a padding row (-1) outputs zeros and writes the
+    first live row's slot with that row's own new value (or, with no live row, slot 0 with its
+    old value), so the scatter has no conflicting duplicates and needs no host sync."""
+    args = [kwargs[name] for name in ARG_NAMES]
+    dims = _validate(*args)
+    mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps = args[:10]
+    conv_state, recurrent_state, state_slots = args[10:]
+    live = state_slots >= 0
+    safe = state_slots.clamp(min=0).long()
+    conv_old, state_old = conv_state[safe], recurrent_state[safe]
+    out, conv_new, state_new = _step(
+        mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_old, state_old, dims
+    )
+    first = live.int().argmax()  # the first live row; 0 when none is
+    index = torch.where(live, safe, safe[first])
+
+    def write(state, old, new):
+        new = new.to(state.dtype)
+        fill = torch.where(live[first], new[first], old[first])
+        rows = torch.where(live.view(-1, *([1] * (new.dim() - 1))), new, fill)
+        return torch.ops.aten.index_put.default(state, [index], rows)
+
+    out = torch.where(live[:, None], out, torch.zeros_like(out))
+    return out, write(conv_state, conv_old, conv_new), write(recurrent_state, state_old, state_new)
 
 
 @torch.library.custom_op(

@@ -164,3 +164,16 @@ def test_bad_arguments_raise(edit, message):
     edit(args)
     with pytest.raises(ValueError, match=message):
         op.gdn_decode_reference(*args)
+
+
+@pytest.mark.parametrize("slots", [[3, -1, 0], [-1, 0, 2], [-1, -1, -1], [4, 1, 2]])
+def test_canonical_decomposition_equals_the_reference(slots):
+    """Lowering "inductor": functional, padding rows clamped to a live row's slot (here [-1, 0, 2]
+    clamps the padding row onto slot 0, which row 1 writes) without disturbing it."""
+    args = _random_args()
+    args[-1] = torch.tensor(slots)
+    expected_conv, expected_rec = args[10].clone(), args[11].clone()
+    expected = op.gdn_decode_reference(*args[:10], expected_conv, expected_rec, args[12])
+    out, conv, rec = op.gdn_decode_canonical(**dict(zip(op.ARG_NAMES, args)))
+    assert torch.equal(out, expected)
+    assert torch.equal(conv, expected_conv) and torch.equal(rec, expected_rec)
