@@ -15,7 +15,8 @@ read at ``positions[t]``, or at row t without positions.
 
 History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
--5 walks head blocks to cut each program's registers. This module imports only torch and
+-5 walks head blocks to cut each program's registers (58 / 64 / 53% at 4096, but slower at 1-64
+tokens); -6 keeps whole tiles up to 256 tokens. This module imports only torch and
 triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
 """
 
@@ -28,8 +29,21 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-5"
+KERNEL_VERSION = "gqa_prologue-6"
+# Up to this many tokens a program takes its rows as one tile (few programs: each program's
+# latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
+# decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
+# token against 6.3 / 6.9 / 6.3 in blocks; blocks 58 / 64 / 53% of HBM at 4096 tokens against
+# 35 / 40 / 30%.
+WHOLE_TILES_UP_TO = 256
 _BLOCK_LANES = 1024
+
+
+def heads_per_block(tokens: int, heads: int, kv_heads: int, d_pad: int) -> int:
+    most = triton.next_power_of_2(max(heads, kv_heads))
+    if tokens <= WHOLE_TILES_UP_TO:
+        return most
+    return max(1, min(most, _BLOCK_LANES // d_pad))
 
 
 @triton.jit
@@ -168,8 +182,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
         raise ValueError("q_out and the norm weights must be contiguous")
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
-    # ~1024 lanes a block: few registers a program, so many programs stay in flight.
-    hb = max(1, min(triton.next_power_of_2(max(heads, kv_heads)), _BLOCK_LANES // d_pad))
+    hb = heads_per_block(tokens, heads, kv_heads, d_pad)
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
@@ -186,7 +199,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             HB=hb, Q_BLOCKS=triton.cdiv(heads, hb), KV_BLOCKS=triton.cdiv(kv_heads, hb), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=4,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=8 if hb * d_pad >= 4096 else 4,
         )
 
     launch_on_device(q, _launch)

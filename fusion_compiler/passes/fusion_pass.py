@@ -43,6 +43,10 @@ class FusionPass(_compat.CustomGraphPass):
             modules_in_graph=modules_in(graph),
         )
         canonicalize_module.canonicalize(graph)
+        # A dead node still counts as a user, and the matcher refuses a pattern node with users
+        # outside the pattern: HF's ``core_attn_out[:, :, i] = o`` functionalises to a
+        # select_scatter and leaves a dead select of the zeros behind.
+        graph.eliminate_dead_code()
         # Sites are the model's nodes: a replacement's own nodes (the "inductor" lowering's
         # canonical norms, say) are never candidates for a later family.
         model_nodes = set(graph.nodes)

@@ -113,7 +113,7 @@ def test_model_layouts(model):
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-5"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-6"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
@@ -122,6 +122,7 @@ def test_head_blocks(monkeypatch, model, lanes):
     """The kernel walks heads a block at a time (the full-width sum over every block first);
     the real widths take several blocks (48 x 128 -> 6 of 8), the tiny tests above take one."""
     monkeypatch.setattr(K, "_BLOCK_LANES", lanes)
+    monkeypatch.setattr(K, "WHOLE_TILES_UP_TO", 0)
     c = dict(tokens=3, kv_heads=2, group=3, head_dim=64, seed=11, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen", heads_first=model == "qwen")
     _run(c)
