@@ -16,7 +16,8 @@ read at ``positions[t]``, or at row t without positions.
 History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
 -5 walks head blocks to cut each program's registers (58 / 64 / 53% at 4096, but slower at 1-64
-tokens); -6 keeps whole tiles up to 256 tokens. This module imports only torch and
+tokens); -6 keeps whole tiles up to 256 tokens; -7 sizes k's and v's tiles by the kv heads, not
+q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache). This module imports only torch and
 triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
 """
 
@@ -29,7 +30,7 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-6"
+KERNEL_VERSION = "gqa_prologue-7"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
@@ -39,8 +40,9 @@ WHOLE_TILES_UP_TO = 256
 _BLOCK_LANES = 1024
 
 
-def heads_per_block(tokens: int, heads: int, kv_heads: int, d_pad: int) -> int:
-    most = triton.next_power_of_2(max(heads, kv_heads))
+def heads_per_block(tokens: int, heads: int, d_pad: int) -> int:
+    """Heads one program takes at a time, for rows of ``heads`` heads (q's, or k's and v's)."""
+    most = triton.next_power_of_2(heads)
     if tokens <= WHOLE_TILES_UP_TO:
         return most
     return max(1, min(most, _BLOCK_LANES // d_pad))
@@ -113,19 +115,18 @@ def _gqa_prologue_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     heads, kv_heads, eps, weight_offset, k_scale, v_scale,
-    HB: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
-    # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB
+    # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
     t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
-    hb = tl.arange(0, HB)[:, None]
     if role == 2:
         slot = tl.load(SLOTS + t).to(tl.int64)
         for block in range(KV_BLOCKS):
-            h = block * HB + hb
+            h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
             v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
             _write_cache(V_CACHE, V_CACHE_U8, v, h, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
                          stride_vc_h, BLOCK_SIZE, D, D_PAD, V_FP8)
@@ -136,24 +137,25 @@ def _gqa_prologue_kernel(
             row = t
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
-            X, stride_h, n, blocks = Q + t * stride_qt, stride_qh, heads, Q_BLOCKS
-        else:
-            X, stride_h, n, blocks = K + t * stride_kt, stride_kh, kv_heads, KV_BLOCKS
-        full_rstd = 0.0
-        if FULL_WIDTH:
-            full_rstd = _full_width_rstd(X, stride_h, n, eps, HB, D, D_PAD, blocks)
-        if role == 0:
+            X = Q + t * stride_qt
+            full_rstd = 0.0
+            if FULL_WIDTH:
+                full_rstd = _full_width_rstd(X, stride_qh, heads, eps, HB_Q, D, D_PAD, Q_BLOCKS)
             for block in range(Q_BLOCKS):
-                h = block * HB + hb
-                q = _norm_rope(X, stride_h, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
+                h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
+                q = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
                                weight_offset, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
                 tl.store(Q_OUT + t * stride_qo + h * D + d, downcast(q, Q_OUT.dtype.element_ty),
                          mask=(h < heads) & (d < D))
         else:
+            X = K + t * stride_kt
             slot = tl.load(SLOTS + t).to(tl.int64)
+            full_rstd = 0.0
+            if FULL_WIDTH:
+                full_rstd = _full_width_rstd(X, stride_kh, kv_heads, eps, HB_KV, D, D_PAD, KV_BLOCKS)
             for block in range(KV_BLOCKS):
-                h = block * HB + hb
-                k = _norm_rope(X, stride_h, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
+                h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
+                k = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
                                weight_offset, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
                 _write_cache(K_CACHE, K_CACHE_U8, k, h, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off,
                              stride_kc_h, BLOCK_SIZE, D, D_PAD, K_FP8)
@@ -182,7 +184,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
         raise ValueError("q_out and the norm weights must be contiguous")
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
-    hb = heads_per_block(tokens, heads, kv_heads, d_pad)
+    hb_q, hb_kv = heads_per_block(tokens, heads, d_pad), heads_per_block(tokens, kv_heads, d_pad)
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
@@ -196,10 +198,10 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h,
             heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale),
-            HB=hb, Q_BLOCKS=triton.cdiv(heads, hb), KV_BLOCKS=triton.cdiv(kv_heads, hb), D=head_dim,
+            HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=8 if hb * d_pad >= 4096 else 4,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=8 if hb_q * d_pad >= 4096 else 4,
         )
 
     launch_on_device(q, _launch)

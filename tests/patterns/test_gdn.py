@@ -43,7 +43,9 @@ def _states(cache, i):
 @pytest.fixture(scope="module")
 def hf_qwen():
     adapter = get_adapter("qwen3.5")
-    model = adapter.build_hf(size="tiny", layers=4, dtype=torch.bfloat16)
+    # Every expert routed (top-8 of 8): with top-2, bf16 noise flips an expert choice now and
+    # then, and that step's logits jump 10-30% from eager under stock Inductor as well.
+    model = adapter.build_hf(size="tiny", layers=4, dtype=torch.bfloat16, num_experts_per_tok=8)
     expected = adapter.expected_sites(model)
     backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
     compiled = torch.compile(model, backend=backend)
@@ -85,7 +87,7 @@ def test_hf_gated_norms_belong_to_the_gdn_sites(hf_qwen):
 def test_hf_logits_and_states_equal_eager_over_eight_steps(hf_qwen):
     """Layer 0 sees eager's inputs (its input norm rounds the same): its states are bit-equal
     (the op rounds where HF does). Later layers inherit the other families' bf16 differences
-    (logits 0.9-1.1% from eager with or without this family)."""
+    (logits 0.8-1.0% from eager with or without this family, as under stock Inductor)."""
     for t, (logits, states) in enumerate(hf_qwen["steps"]):
         assert logits < 2e-2, (t, logits)
         assert states[0] == (0.0, 0.0), (t, states)
