@@ -78,10 +78,51 @@ def bench_shape(tokens: int, hidden: int, copy_gbs: float) -> dict:
     return row
 
 
+SWEEP_LAUNCHES = ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 16))
+
+
+def sweep_launches(tokens: int, hidden: int) -> list[dict]:
+    """Ours at one shape under each launch in SWEEP_LAUNCHES (the kernel reads its launch table
+    at every call, so one compiled graph serves all), Inductor timed before each."""
+    from fusion_compiler.kernels import rms_norm as kernel
+
+    dtype = torch.bfloat16
+    bytes_moved = (4 * tokens * hidden + hidden) * 2
+    rotations = max(1, min(64, (4 * L2_BYTES) // max(1, bytes_moved)))
+    sets = [(torch.randn(tokens, hidden, dtype=dtype, device="cuda"), torch.randn(tokens, hidden, dtype=dtype, device="cuda"))
+            for _ in range(rotations)]  # fmt: skip
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    torch._dynamo.reset()
+    stock = torch.compile(hf_add_rms_norm, dynamic=False, fullgraph=True)
+    ours = torch.compile(hf_add_rms_norm, backend=fc.FusionBackend(fc.FusionConfig()), dynamic=False, fullgraph=True)
+    block_n = kernel.launch_config(hidden)[0]
+    shipped = kernel._LAUNCH_TABLE[block_n]
+    out = []
+    with torch.no_grad():
+        stock(*sets[0], weight), ours(*sets[0], weight)
+        for launch in SWEEP_LAUNCHES:
+            kernel._LAUNCH_TABLE[block_n] = launch
+            try:
+                inductor_us = common.graph_time_us(lambda i: stock(sets[i][0], sets[i][1], weight), rotations)
+                ours_us = common.graph_time_us(lambda i: ours(sets[i][0], sets[i][1], weight), rotations)
+            finally:
+                kernel._LAUNCH_TABLE[block_n] = shipped
+            out.append({"rows": launch[0], "warps": launch[1], "ours_us": ours_us, "inductor_us": inductor_us,
+                        "ours_over_inductor": ours_us / inductor_us, "shipped": launch == shipped})  # fmt: skip
+            print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/kernels_h200.json")
+    parser.add_argument("--sweep", metavar="TOKENSxHIDDEN", help="only this shape: ours under each (rows, warps) "
+                        "launch in turn, stock Inductor timed between them (its own spread)")
     args = parser.parse_args()
+    if args.sweep:
+        tokens, hidden = map(int, args.sweep.split("x"))
+        common.write_json(args.out, {"facts": common.device_facts(), "sweep": sweep_launches(tokens, hidden)})
+        return
     started = time.time()
     facts = common.device_facts()
     copy_gbs = common.copy_bandwidth_gbs()

@@ -39,7 +39,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch table changes: the compiler hashes it into the
 # Inductor cache key.
-KERNEL_VERSION = "rms_norm-3"
+KERNEL_VERSION = "rms_norm-4"
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -113,9 +113,11 @@ def _load_row_tile(X, R, SUM, rows, cols, mask, stride_x, stride_r, stride_sum,
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_fwd_kernel(
     X, R, W, OUT, SUM,
-    M, N,
+    M,
     stride_x, stride_r, stride_out, stride_sum,
     eps, weight_offset,
+    N: tl.constexpr,  # the row width: a model constant; full tiles go unmasked
+    INDEX64: tl.constexpr,  # row offsets can pass 2**31 elements (long prefill batches)
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
@@ -124,8 +126,10 @@ def _rms_norm_fwd_kernel(
     # NUM_CHUNKS is a constexpr (recompiles per chunk count, only for N > 16384) because the
     # interpreter cannot loop over range(0, N, BLOCK_N) with a runtime N.
     pid = tl.program_id(0)
-    # int64 row offsets: M * stride can pass 2**31 elements (long prefill batches).
-    rows = pid.to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    if INDEX64:
+        rows = pid.to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    else:
+        rows = pid * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     row_mask = rows < M
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK_N)
@@ -262,9 +266,11 @@ def rms_norm_fwd(
     def _launch():
         _rms_norm_fwd_kernel[grid](
             x2, r2, weight, out2, s2,
-            m, n,
+            m,
             x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
             float(eps), float(weight_offset),
+            N=n,
+            INDEX64=m * max(x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), n) >= 2**31,
             HAS_RESIDUAL=residual is not None,
             BLOCK_N=block_n,
             ROWS_PER_PROGRAM=rows,

