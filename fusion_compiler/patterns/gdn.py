@@ -214,8 +214,9 @@ SCALARS = {"eps": _EPS}
 
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """The gated norm's eps (torch 2.11 drops scalars from the re-traced match) and the L2-norm
-    eps (a literal the re-trace compares; read back so the replacement passes the graph's)."""
+    """The gated norm's eps (torch 2.11 drops scalars from the re-traced match) and the q/k
+    L2-norm eps (a literal of the pattern: the re-trace pins it to QK_L2NORM_EPS, which the
+    replacement passes; the guard checks what the graph holds all the same)."""
     facts: dict[str, Any] = {"l2_eps": set()}
     for node in nodes:
         if node.op != "call_function" or node.target is not aten.rsqrt.default:
@@ -262,10 +263,10 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     elif not mixed_qkv.shape[0] == conv_state.shape[0] == recurrent_state.shape[0]:
         return (f"{mixed_qkv.shape[0]} sequences, but the conv / recurrent states hold {conv_state.shape[0]} / "
                 f"{recurrent_state.shape[0]} rows: HF's cache row b is sequence b")  # fmt: skip
-    return _op_reason(values, variant)
+    return _op_reason(values)
 
 
-def _op_reason(values: Mapping[str, Any], variant: Variant) -> Reason:
+def _op_reason(values: Mapping[str, Any]) -> Reason:
     """The op's own argument checks (ops/gdn_decode.py) on the arguments the replacement would pass."""
     mixed_qkv = values["mixed_qkv"]
     tokens = mixed_qkv.numel() // mixed_qkv.shape[-1]
@@ -347,13 +348,13 @@ def _val(node):
 
 def _state_read(node) -> torch.fx.Node | None:
     """kv_mem = sum(S * k[..., None], dim=-2): the mul of a 4-D state and a column, or None."""
-    if _target(node) is not aten.sum.dim_IntList or list(node.args[1]) != [-2]:
+    if _target(node) is not aten.sum.dim_IntList or len(node.args) < 2:
         return None
-    mul = node.args[0]
+    dims, mul = node.args[1], node.args[0]
     value = _val(mul)
-    if _target(mul) is not aten.mul.Tensor or value is None or value.dim() != 4:
+    if not isinstance(dims, (list, tuple)) or list(dims) != [-2] or _target(mul) is not aten.mul.Tensor:
         return None
-    return mul
+    return mul if isinstance(value, torch.Tensor) and value.dim() == 4 else None
 
 
 def is_site(node: torch.fx.Node) -> bool:
@@ -401,7 +402,7 @@ def _column_operand(mul):
     """The [.., D, 1] operand of a state-times-column product (k in kv_mem, q in o)."""
     for arg in mul.args:
         value = _val(arg)
-        if value is not None and value.dim() == 4 and value.shape[-1] == 1:
+        if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-1] == 1:
             return arg
     return None
 
