@@ -208,7 +208,7 @@ def format_table(result: dict) -> str:
     source = {m: result["per_layer"][0]["kernels"][m]["count_source"] for m in MODES}
     lines = [
         head,
-        f"kernels per layer = K(stack) - K(stack less one layer) per kind; sources: " + ", ".join(f"{m}={s}" for m, s in source.items()),
+        "kernels per layer = K(stack) - K(stack less one layer) per kind; sources: " + ", ".join(f"{m}={s}" for m, s in source.items()),
     ]
     families = list(result["per_layer"][0]["matches"]) if result["per_layer"] else [FAMILY]
     lines.append(f"{'layer':>5} {'kind':<16} {'eager':>6} {'inductor':>9} {'fusion':>7}  " + "  ".join(f"{f:>14}" for f in families))

@@ -17,8 +17,11 @@ History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q,
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
 -5 walks head blocks to cut each program's registers (58 / 64 / 53% at 4096, but slower at 1-64
 tokens); -6 keeps whole tiles up to 256 tokens; -7 sizes k's and v's tiles by the kv heads, not
-q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache). This module imports only torch and
-triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
+q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache); -8 takes a
+tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
+instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
+that all-reduce. This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
+importing it to run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-7"
+KERNEL_VERSION = "gqa_prologue-8"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
@@ -66,6 +69,14 @@ def _full_width_rstd(X, stride_h, heads, eps, HB: tl.constexpr, D: tl.constexpr,
         x = upcast(tl.load(X + h * stride_h + d, mask=(h < heads) & (d < D), other=0.0))
         acc += x * x
     return tl.math.rsqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / (heads * D) + eps)
+
+
+@triton.jit
+def _given_rstd(VAR, t, stride_var, divisor, eps):
+    """1 / rms from a given mean of squares: VAR[t] / divisor (correctly rounded, as the graph's
+    fp32 division)."""
+    var = tl.load(VAR + t * stride_var)
+    return tl.math.rsqrt(tl.math.div_rn(var, tl.full(var.shape, 0.0, tl.float32) + divisor) + eps)
 
 
 @triton.jit
@@ -111,13 +122,13 @@ def _write_cache(CACHE, CACHE_U8, value, h, slot, kv_heads, scale, stride_blk, s
 
 @triton.jit
 def _gqa_prologue_kernel(
-    Q, K, V, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT,
+    Q, K, V, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT, Q_VAR, K_VAR,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
-    stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
-    heads, kv_heads, eps, weight_offset, k_scale, v_scale,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h, stride_qvar, stride_kvar,
+    heads, kv_heads, eps, weight_offset, k_scale, v_scale, variance_divisor,
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
@@ -139,7 +150,9 @@ def _gqa_prologue_kernel(
         if role == 0:
             X = Q + t * stride_qt
             full_rstd = 0.0
-            if FULL_WIDTH:
+            if HAS_VARIANCE:
+                full_rstd = _given_rstd(Q_VAR, t, stride_qvar, variance_divisor, eps)
+            elif FULL_WIDTH:
                 full_rstd = _full_width_rstd(X, stride_qh, heads, eps, HB_Q, D, D_PAD, Q_BLOCKS)
             for block in range(Q_BLOCKS):
                 h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
@@ -151,7 +164,9 @@ def _gqa_prologue_kernel(
             X = K + t * stride_kt
             slot = tl.load(SLOTS + t).to(tl.int64)
             full_rstd = 0.0
-            if FULL_WIDTH:
+            if HAS_VARIANCE:
+                full_rstd = _given_rstd(K_VAR, t, stride_kvar, variance_divisor, eps)
+            elif FULL_WIDTH:
                 full_rstd = _full_width_rstd(X, stride_kh, kv_heads, eps, HB_KV, D, D_PAD, KV_BLOCKS)
             for block in range(KV_BLOCKS):
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
@@ -169,7 +184,8 @@ def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, in
 
 
 def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
-                     k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_out) -> None:  # fmt: skip
+                     k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance, k_variance,
+                     variance_divisor, q_out) -> None:  # fmt: skip
     """Launch the kernel: writes ``q_out`` [T, heads, D] and the caches in place. Arguments as
     the op's (already validated there); q/k/v, cos/sin and the caches need unit stride along
     their last dim, the norm weights and q_out are contiguous. No host syncs."""
@@ -191,17 +207,69 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     def _u8(cache):
         return cache.view(torch.uint8) if cache.dtype == fp8 else cache
 
+    has_variance = q_variance is not None
+    # Without variances the kernel never reads them: any fp32-free pointer stands in (stride 0).
+    q_var, k_var = (q_variance, k_variance) if has_variance else (slots, slots)
+
     def _launch():
         _gqa_prologue_kernel[(tokens, 3)](
             q, k, v, q_norm_weight, k_norm_weight, cos, sin, slots if positions is None else positions, slots,
-            k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out,
+            k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out, q_var, k_var,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
-            cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h,
-            heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale),
+            cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h, q_var.stride(0), k_var.stride(0),
+            heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale), float(variance_divisor),
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
-            FULL_WIDTH=bool(full_width_norm), HAS_POSITIONS=positions is not None,
+            FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=8 if hb_q * d_pad >= 4096 else 4,
         )
+
+    launch_on_device(q, _launch)
+
+
+@triton.jit
+def _mean_square(X, width, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+    """Mean of squares of the ``width`` values at X, BLOCK lanes at a time, rounded correctly."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for block in range(N_BLOCKS):
+        i = block * BLOCK + tl.arange(0, BLOCK)
+        x = upcast(tl.load(X + i, mask=i < width, other=0.0))
+        acc += x * x
+    total = tl.sum(acc, axis=0)
+    return tl.math.div_rn(total, tl.full(total.shape, 0.0, tl.float32) + width)
+
+
+@triton.jit
+def _variance_kernel(Q, K, OUT, stride_q, stride_k, q_width, k_width, BLOCK: tl.constexpr,
+                     Q_BLOCKS: tl.constexpr, K_BLOCKS: tl.constexpr):
+    """Program (t, side): the mean of squares of row t of q (side 0) or k (side 1) into OUT[t, side]."""
+    t, side = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if side == 0:
+        tl.store(OUT + 2 * t, _mean_square(Q + t * stride_q, q_width, BLOCK, Q_BLOCKS))
+    else:
+        tl.store(OUT + 2 * t + 1, _mean_square(K + t * stride_k, k_width, BLOCK, K_BLOCKS))
+
+
+# Lanes a program sums at a time: 6144 / tp wide q rows in a few steps, k's 1024 / tp in one.
+# Not measured: the block width the prologue's head blocks found best (bench/NOTES.md, -5).
+_VARIANCE_LANES = 1024
+
+
+def gqa_prologue_variance_fwd(q, k, out) -> None:
+    """Launch ``_variance_kernel``: out [T, 2] fp32 contiguous <- the means of squares of q's
+    and k's rows (both [T, width] with unit stride along the width). No host syncs."""
+    tokens = q.shape[0]
+    if tokens == 0:
+        return
+    for name, t in (("q", q), ("k", k)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride on its last dim, got {t.stride()}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    block = min(_VARIANCE_LANES, triton.next_power_of_2(max(q.shape[1], k.shape[1])))
+
+    def _launch():
+        _variance_kernel[(tokens, 2)](q, k, out, q.stride(0), k.stride(0), q.shape[1], k.shape[1], BLOCK=block,
+                                      Q_BLOCKS=triton.cdiv(q.shape[1], block), K_BLOCKS=triton.cdiv(k.shape[1], block))
 
     launch_on_device(q, _launch)

@@ -13,9 +13,40 @@ per-tensor scale per cache (``value / scale`` clamped to +-448 and rounded to FP
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 FP8 = torch.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """A GQA attention layer with a paged KV cache, as the serving references build it; each
+    model's reference subclasses it with its own defaults (rope_theta, ...)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float = 1e4
+    rms_norm_eps: float = 1e-6
+    block_size: int = 16
+    kv_cache_dtype: str = "bf16"  # or "fp8"
+    max_position: int = 4096
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return cache_dtype_of(self.kv_cache_dtype)
 
 
 def cache_dtype_of(kv_cache_dtype: str) -> torch.dtype:

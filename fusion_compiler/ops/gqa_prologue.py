@@ -4,7 +4,10 @@
     fusion_compiler::gqa_prologue(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight,
         Tensor k_norm_weight, float eps, float weight_offset, bool full_width_norm,
         Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache,
-        Tensor slots, float k_scale, float v_scale, bool cache_heads_first) -> Tensor q_out
+        Tensor slots, float k_scale, float v_scale, bool cache_heads_first,
+        Tensor? q_variance=None, Tensor? k_variance=None, float variance_divisor=1.0) -> Tensor q_out
+
+    fusion_compiler::gqa_prologue_variance(Tensor q, Tensor k) -> Tensor   [T, 2] fp32
 
 Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = head_dim:
 
@@ -16,6 +19,12 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  over all of a token's heads when ``full_width_norm`` (MiniMax: q over 6144, k
                  over 1024, weights [heads * D] and [kv_heads * D]), else per head (Qwen3.5:
                  weights [D], Gemma ``weight_offset`` 1.0)
+    variances    tensor parallelism (full width only): the mean of squares is given, not
+                 computed: q's is ``q_variance[t] / variance_divisor`` (fp32, correctly rounded
+                 division), k's likewise; q_variance, k_variance [T, 1] fp32, any token stride.
+                 The all-reduced sum of the ranks' local means and the world size (what vLLM's
+                 ``MiniMaxText01RMSNormTP`` divides), or an already global mean and 1.0. Here q,
+                 k and the weights are this rank's heads and weight shards.
     rope(x)      NeoX (rotate-half) on each head's first ``rotary_dim = 2 * cos.shape[-1]``
                  dims, one angle per pair: cos / sin [N, rotary_dim / 2] read at row
                  ``positions[t]`` (vLLM's cos_sin_cache halves) or at row t when positions is
@@ -29,6 +38,11 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  row s % block_size of block s // block_size; slot -1 writes nothing. FP8
                  caches store ``value / scale`` (correctly rounded), clamped to +-448 and rounded
                  to e4m3 (per-tensor k_scale / v_scale).
+
+``gqa_prologue_variance`` is the other side of that all-reduce: each token's local means of
+squares, ``[mean(q[t].float()**2), mean(k[t].float()**2)]`` over all of q's and of k's columns
+(q [T, q_width], k [T, k_width], unit stride along the last dim), the [T, 2] that vLLM's
+``forward_qk`` all-reduces in one call.
 
 One rounding per norm and per RoPE (the add_rms_norm family's contract): HF's
 ``weight * x.to(dtype)`` and bf16 RoPE products round more often, so outputs agree with eager
@@ -53,12 +67,16 @@ _CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)
 _SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight, Tensor k_norm_weight, float eps, float weight_offset, "
     "bool full_width_norm, Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slots, float k_scale, float v_scale, bool cache_heads_first) -> Tensor"
+    "Tensor slots, float k_scale, float v_scale, bool cache_heads_first, Tensor? q_variance=None, "
+    "Tensor? k_variance=None, float variance_divisor=1.0) -> Tensor"
 )
 ARG_NAMES = (
     "q", "k", "v", "q_norm_weight", "k_norm_weight", "eps", "weight_offset", "full_width_norm", "cos", "sin",
-    "positions", "k_cache", "v_cache", "slots", "k_scale", "v_scale", "cache_heads_first",
+    "positions", "k_cache", "v_cache", "slots", "k_scale", "v_scale", "cache_heads_first", "q_variance",
+    "k_variance", "variance_divisor",
 )  # fmt: skip
+# The tensor-parallel arguments' defaults: the op computes the full-width means itself.
+NO_VARIANCE = {"q_variance": None, "k_variance": None, "variance_divisor": 1.0}
 
 
 def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
@@ -67,7 +85,8 @@ def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
 
 
 def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
-              k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first) -> tuple[int, int, int, int]:  # fmt: skip
+              k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance=None, k_variance=None,
+              variance_divisor=1.0) -> tuple[int, int, int, int]:  # fmt: skip
     """(heads, kv_heads, head_dim, rotary_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
                     ("cos", cos), ("sin", sin)):  # fmt: skip
@@ -100,10 +119,29 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
     require_shape(slots, (tokens,), "slots")
     if not (eps > 0 and k_scale > 0 and v_scale > 0):
         raise ValueError(f"eps, k_scale and v_scale must be > 0, got {eps}, {k_scale}, {v_scale}")
+    _validate_variances(q_variance, k_variance, variance_divisor, full_width_norm, tokens)
     return heads, kv_heads, head_dim, rotary_dim
 
 
-def _norm(x, weight, eps, weight_offset, full_width):
+def _validate_variances(q_variance, k_variance, divisor, full_width_norm, tokens) -> None:
+    if q_variance is None and k_variance is None:
+        return
+    if q_variance is None or k_variance is None:
+        raise ValueError("q_variance and k_variance come together (got one of them)")
+    if not full_width_norm:
+        raise ValueError("q_variance / k_variance replace a full-width norm's means; full_width_norm is False")
+    for name, t in (("q_variance", q_variance), ("k_variance", k_variance)):
+        require_dtype(t, (torch.float32,), name)
+        require_shape(t, (tokens, 1), name)
+    if not divisor > 0:
+        raise ValueError(f"variance_divisor must be > 0, got {divisor}")
+
+
+def _norm(x, weight, eps, weight_offset, full_width, variance=None, divisor=1.0):
+    if variance is not None:  # the mean of squares given (tensor parallelism): rms_norm's math with it
+        h = x.reshape(x.shape[0], -1).float()
+        rstd = torch.rsqrt(variance / divisor + eps)
+        return (h * rstd * (weight.float() + weight_offset)).to(x.dtype).view(x.shape)
     if full_width:
         return rms_norm_reference(x.reshape(x.shape[0], -1), weight, eps, weight_offset).view(x.shape)
     return rms_norm_reference(x, weight, eps, weight_offset)
@@ -123,17 +161,19 @@ def _write(cache, heads_first, slots, rows, scale):
 
 
 def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin,
-                           positions, k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first=False):  # fmt: skip
+                           positions, k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first=False,
+                           q_variance=None, k_variance=None, variance_divisor=1.0):  # fmt: skip
     """Plain torch, any device; writes the caches in place and returns q_out."""
     *_, rotary_dim = _validate(
         q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
-        k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first,
+        k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance, k_variance, variance_divisor,
     )  # fmt: skip
     paged = paged_view(k_cache, cache_heads_first)
     require_slots_in_range(slots, paged.shape[0] * paged.shape[1])
     cos, sin = cos_sin_for_tokens(cos, sin, positions)
-    q_out = _rope(_norm(q, q_norm_weight, eps, weight_offset, full_width_norm), cos, sin, rotary_dim)
-    k_out = _rope(_norm(k, k_norm_weight, eps, weight_offset, full_width_norm), cos, sin, rotary_dim)
+    norm = (eps, weight_offset, full_width_norm)
+    q_out = _rope(_norm(q, q_norm_weight, *norm, q_variance, variance_divisor), cos, sin, rotary_dim)
+    k_out = _rope(_norm(k, k_norm_weight, *norm, k_variance, variance_divisor), cos, sin, rotary_dim)
     _write(k_cache, cache_heads_first, slots, k_out, k_scale)
     _write(v_cache, cache_heads_first, slots, v, v_scale)
     return q_out.contiguous()
@@ -143,12 +183,13 @@ def gqa_prologue_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns
     (q_out, new k_cache, new v_cache), as ``auto_functionalized`` does. Padding slots (-1) write
     back the row they would clobber."""
-    args = dict(zip(ARG_NAMES, (kwargs[name] for name in ARG_NAMES)))
+    args = {name: kwargs[name] if name in kwargs else NO_VARIANCE[name] for name in ARG_NAMES}
     *_, rotary_dim = _validate(**args)
     cos, sin = cos_sin_for_tokens(args["cos"], args["sin"], args["positions"])
-    eps, offset, full = args["eps"], args["weight_offset"], args["full_width_norm"]
-    q_out = _rope(_norm(args["q"], args["q_norm_weight"], eps, offset, full), cos, sin, rotary_dim)
-    k_out = _rope(_norm(args["k"], args["k_norm_weight"], eps, offset, full), cos, sin, rotary_dim)
+    norm = (args["eps"], args["weight_offset"], args["full_width_norm"])
+    divisor = args["variance_divisor"]
+    q_out = _rope(_norm(args["q"], args["q_norm_weight"], *norm, args["q_variance"], divisor), cos, sin, rotary_dim)
+    k_out = _rope(_norm(args["k"], args["k_norm_weight"], *norm, args["k_variance"], divisor), cos, sin, rotary_dim)
     slots, heads_first = args["slots"], args["cache_heads_first"]
 
     def write(cache, rows, scale):
@@ -176,12 +217,59 @@ def _fake(*args):
     return q.new_empty((q.shape[0], heads, head_dim))
 
 
+def _all_args(args: tuple) -> tuple:
+    """The op's arguments with the defaults the caller left out (the dispatcher hands an
+    implementation only what was passed)."""
+    return tuple(args) + tuple(NO_VARIANCE[name] for name in ARG_NAMES[len(args) :])
+
+
 @_op.register_kernel("cuda")
 def _cuda(*args):
     from fusion_compiler.kernels.gqa_prologue import gqa_prologue_fwd
 
+    args = _all_args(args)
     heads, _, head_dim, _ = _validate(*args)
     q = args[0]
     q_out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
     gqa_prologue_fwd(*args, q_out)
     return q_out
+
+
+# ------------------------------------------------------------------------------------------
+# The local side of a tensor-parallel full-width norm
+# ------------------------------------------------------------------------------------------
+
+
+def _validate_variance(q, k) -> None:
+    for name, t in (("q", q), ("k", k)):
+        require_dtype(t, _FLOATS, name)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be [T, width], got {tuple(t.shape)}")
+    require_size_eq(k.shape[0], q.shape[0], "k tokens (q's)")
+
+
+def gqa_prologue_variance_reference(q, k):
+    """[T, 2] fp32: each token's mean of squares over q's columns, then over k's."""
+    _validate_variance(q, k)
+    return torch.cat([q.float().pow(2).mean(-1, keepdim=True), k.float().pow(2).mean(-1, keepdim=True)], dim=-1)
+
+
+@torch.library.custom_op("fusion_compiler::gqa_prologue_variance", mutates_args=(), schema="(Tensor q, Tensor k) -> Tensor")
+def _variance_op(q, k):
+    return gqa_prologue_variance_reference(q, k)
+
+
+@_variance_op.register_fake
+def _variance_fake(q, k):
+    _validate_variance(q, k)
+    return q.new_empty((q.shape[0], 2), dtype=torch.float32)
+
+
+@_variance_op.register_kernel("cuda")
+def _variance_cuda(q, k):
+    from fusion_compiler.kernels.gqa_prologue import gqa_prologue_variance_fwd
+
+    _validate_variance(q, k)
+    out = torch.empty((q.shape[0], 2), dtype=torch.float32, device=q.device)
+    gqa_prologue_variance_fwd(q, k, out)
+    return out

@@ -9,6 +9,11 @@ other. A reshape's ``-1`` is one such spelling: ``view(-1, heads, D)`` and ``vie
 are the same reshape, so a static one carries its full shape. Pattern traces go through the
 same rewrite (patterns/registry.py).
 
+A tensor-parallel norm's upcast ``x32 = x.float()`` feeds both sides of an all-reduce: the
+local ``x32.pow(2).mean(-1)`` that is reduced, and ``x32 * rsqrt(variance + eps)`` after it.
+A pattern of the tail alone cannot hold a node with a user outside it, so the local side gets
+its own upcast (the same value; Inductor fuses each copy into its reader).
+
 One rewrite is device-specific: on CUDA, Inductor turns every softmax into its online form
 (``prims.prepare_softmax_online`` giving max and sum) before our pass runs; a router's softmax
 (one whose probabilities feed a top-k) goes back to the plain amax/exp/sum form the patterns
@@ -22,6 +27,7 @@ import operator
 import torch
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 
@@ -45,6 +51,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _full_topk(node)
         elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
             changed += _static_shape(node)
+        elif node.target is prims.convert_element_type.default and len(node.users) > 1:
+            changed += _own_upcast_before_collective(node)
         elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
             # What masked_fill(x, m, float) decomposes to in a pattern trace; real graphs
             # already carry it as a 0-d full (Inductor's own rewrite).
@@ -64,6 +72,40 @@ def _static_shape(node: torch.fx.Node) -> int:
     if not all(isinstance(size, int) for size in val.shape):
         return 0  # dynamic: -1 stays (the pattern's own trace keeps it too)
     node.args = (node.args[0], list(val.shape))
+    return 1
+
+
+def _all_reduce_op():
+    try:
+        return torch.ops._c10d_functional.all_reduce.default
+    except (AttributeError, RuntimeError):  # torch built without distributed
+        return None
+
+
+def _reaches_all_reduce(node: torch.fx.Node, hops: int) -> bool:
+    """Whether an all-reduce reads node within ``hops`` users (pow -> mean [-> cat] -> all_reduce)."""
+    target, frontier = _all_reduce_op(), [node]
+    for _ in range(hops):
+        if target is None or not frontier:
+            return False
+        if any(n.target is target for n in frontier):
+            return True
+        frontier = [u for n in frontier for u in n.users]
+    return any(n.target is target for n in frontier)
+
+
+def _own_upcast_before_collective(node: torch.fx.Node) -> int:
+    """Readers of a shared upcast that lead into an all-reduce get a copy of their own, when
+    other readers (the normalised tail) remain on the original."""
+    before = [u for u in node.users if _reaches_all_reduce(u, 3)]
+    if not before or len(before) == len(node.users):
+        return 0
+    graph = node.graph
+    with graph.inserting_after(node):
+        copy = graph.call_function(node.target, node.args, dict(node.kwargs))
+    copy.meta = dict(node.meta)
+    for user in before:
+        user.replace_input_with(node, copy)
     return 1
 
 

@@ -13,9 +13,12 @@ from ..config import FusionConfig
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from . import canonicalize as canonicalize_module
+from . import rope_gather as rope_gather_module
+from . import tp_variance as tp_variance_module
 from ..module_paths import module_path
 from .horizontal import merge_prologues
 from .rope_gather import fold_rope_gathers
+from .tp_variance import fold_tp_variances
 from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")
@@ -57,6 +60,9 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.merged.extend(merge_prologues(graph))
         if self.config.lowering("gqa_prologue") == "triton":
             graph_report.folded_rope_gathers = fold_rope_gathers(graph, torch.ops.fusion_compiler.gqa_prologue.default)
+            graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
+                graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
+            )
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -99,6 +105,9 @@ class FusionPass(_compat.CustomGraphPass):
             log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
         if graph_report.folded_rope_gathers:
             log.info("  folded the RoPE table gather into %d gqa prologue(s)", graph_report.folded_rope_gathers)
+        if graph_report.folded_tp_divisions:
+            log.info("  folded the all-reduced variance division into %d gqa prologue(s), fused %d local-mean pair(s)",
+                     graph_report.folded_tp_divisions, graph_report.fused_tp_variances)
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():
@@ -111,7 +120,8 @@ class FusionPass(_compat.CustomGraphPass):
 def pass_uuid(config: FusionConfig) -> str:
     digest = hashlib.sha256()
     digest.update(config.cache_key().encode())
-    digest.update(inspect.getsource(canonicalize_module).encode())
+    for module in (canonicalize_module, rope_gather_module, tp_variance_module):  # rewrites outside the families
+        digest.update(inspect.getsource(module).encode())
     for name in config.enabled_families():
         family = FAMILIES[name]
         digest.update(source_text(family).encode())

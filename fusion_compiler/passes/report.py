@@ -34,6 +34,10 @@ class GraphReport:
     merged: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     # gqa prologues that read their RoPE table at the positions (passes/rope_gather.py).
     folded_rope_gathers: int = 0
+    # gqa prologues that divide the all-reduced variances themselves, and pairs of local means
+    # fused into one op before the all-reduce (passes/tp_variance.py).
+    folded_tp_divisions: int = 0
+    fused_tp_variances: int = 0
 
     def matched(self, family: str | None = None) -> list[Site]:
         return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
@@ -112,11 +116,19 @@ class MatchReport:
     def folded_rope_gathers(self) -> int:
         return sum(g.folded_rope_gathers for g in self.graphs)
 
+    def folded_tp_divisions(self) -> int:
+        return sum(g.folded_tp_divisions for g in self.graphs)
+
+    def fused_tp_variances(self) -> int:
+        return sum(g.fused_tp_variances for g in self.graphs)
+
     def to_dict(self) -> dict:
         return {
             "graphs": len(self.graphs),
             "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
             "folded_rope_gathers": self.folded_rope_gathers(),
+            "folded_tp_divisions": self.folded_tp_divisions(),
+            "fused_tp_variances": self.fused_tp_variances(),
             "matches": self.per_variant(),
             "sites": [dataclasses.asdict(s) | {"layer": s.layer} for s in self.sites],
             "missing_expected": [
@@ -130,6 +142,9 @@ class MatchReport:
             lines.append(f"  merged {count} {kind}-prologue sites of {layer} into one launch")
         if self.folded_rope_gathers():
             lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
+        if self.folded_tp_divisions():
+            lines.append(f"  folded the all-reduced variance division into {self.folded_tp_divisions()} gqa prologue(s); "
+                         f"fused {self.fused_tp_variances()} pair(s) of local q/k means before the all-reduce")
         for s in self.misses():
             lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
         for family, module, expected, found in self.missing_expected():

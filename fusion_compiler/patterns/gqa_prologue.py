@@ -19,6 +19,15 @@ Two layouts, each as its code writes it:
   positions, K and V written into a paged cache at flat slots, bf16 or FP8 with a per-tensor
   scale.
 
+Tensor parallelism (``minimax.paged_tp_*``): each rank holds a share of the heads, and the
+full-width norm's mean of squares is global: the local means are all-reduced (vLLM's
+``MiniMaxText01RMSNormTP``; model_adapters/minimax_m2/reference.py's ``rms_norm_tp``). The
+all-reduce stays in the graph; these variants match the side after it, taking the global
+variance as an input, and the guard follows that input back: ``wait_tensor(all_reduce(local,
+"sum", group)) / world`` (a column of it when q and k share one [T, 2] all-reduce), the local
+part being the mean of squares of the same q (or k). passes/tp_variance.py then folds the
+division into the op and fuses the two local means before the all-reduce into one op.
+
 The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
 the matched nodes: the RoPE's slice points (partial, NeoX halves, not GPT-J pairs), the norm's
@@ -27,6 +36,8 @@ width and Gemma's offset, the cast an FP8 write rounds to.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +70,12 @@ def normed_heads(x, weight, eps, norm: str, layout: str, head_dim):
     return split_heads(normed, layout, head_dim)
 
 
+def normed_tp(x, weight, variance, eps):
+    """A tensor-parallel full-width norm after its all-reduce (``rms_norm_tp``): the global mean
+    of squares comes in; HF-style rounding (cast, then times the weight shard)."""
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
 def split_heads(x, layout: str, head_dim):
     if layout == "hf":  # HF: x.view(*input_shape, -1, head_dim)
         return x.view(*x.shape[:-1], -1, head_dim)
@@ -87,6 +104,18 @@ def fp8_rows(rows, scale):
     return (rows.float() / scale).clamp(-448.0, 448.0).to(FP8)
 
 
+def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale, v_scale):
+    """A serving engine's tail: fp32 NeoX RoPE on normed q, k [T, H, D], K and V written at the
+    slots (FP8: scaled)."""
+    q, k = rope_partial_fp32(q, cos, sin), rope_partial_fp32(k, cos, sin)
+    # v's head split belongs to the site: without it the V write's pattern would also fit
+    # the K write (any rows), and the matcher would bind both to it.
+    v = split_heads(v, "paged", k_cache.shape[-1])
+    if cache == "fp8":
+        k, v = fp8_rows(k, k_scale), fp8_rows(v, v_scale)
+    return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
+
+
 def _search(norm: str, layout: str, cache: str):
     def prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
         head_dim = k_cache.shape[-1]
@@ -99,13 +128,7 @@ def _search(norm: str, layout: str, cache: str):
             k_cache = aten.index_put.default(k_cache, [None, None, where], k)
             v_cache = aten.index_put.default(v_cache, [None, None, where], v)
             return q, k_cache, v_cache
-        q, k = rope_partial_fp32(q, cos, sin), rope_partial_fp32(k, cos, sin)  # where: the slots
-        # v's head split belongs to the site: without it the V write's pattern would also fit
-        # the K write (any rows), and the matcher would bind both to it.
-        v = split_heads(v, layout, head_dim)
-        if cache == "fp8":
-            k, v = fp8_rows(k, k_scale), fp8_rows(v, v_scale)
-        return q, write_rows(k_cache, where, k), write_rows(v_cache, where, v)
+        return _paged_rows(q, k, v, cos, sin, k_cache, v_cache, where, cache, k_scale, v_scale)  # where: the slots
 
     if cache != "fp8":  # no scale arguments to trace
 
@@ -116,16 +139,39 @@ def _search(norm: str, layout: str, cache: str):
     return prologue
 
 
-def _variant(norm: str, layout: str, cache: str = "bf16") -> Variant:
-    name = f"{norm}.{layout}" + (f"_{cache}" if layout == "paged" else "")
-    return Variant(name, _search(norm, layout, cache), {"norm": norm, "layout": layout, "cache": cache})
+def _search_tp(cache: str):
+    """MiniMax under tensor parallelism, after the all-reduce: q_var, k_var are the global means
+    of squares (the all-reduce's output, divided by the world size)."""
+
+    def prologue_tp(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps,
+                    k_scale=1.0, v_scale=1.0):  # fmt: skip
+        head_dim = k_cache.shape[-1]
+        q = split_heads(normed_tp(q, q_weight, q_var, eps), "paged", head_dim)
+        k = split_heads(normed_tp(k, k_weight, k_var, eps), "paged", head_dim)
+        return _paged_rows(q, k, v, cos, sin, k_cache, v_cache, where, cache, k_scale, v_scale)
+
+    if cache != "fp8":
+
+        def prologue_tp_bf16(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps):
+            return prologue_tp(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps)
+
+        return prologue_tp_bf16
+    return prologue_tp
 
 
+def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False) -> Variant:
+    name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" else "")
+    search = _search_tp(cache) if tp else _search(norm, layout, cache)
+    return Variant(name, search, {"norm": norm, "layout": layout, "cache": cache, "tp": tp})
+
+
+# The tensor-parallel variants come last: a single-rank graph never reaches them (its upcast
+# also feeds the local mean, a user outside their pattern), and a TP graph never fits the others.
 VARIANTS = tuple(
     _variant(norm, layout, cache)
     for norm in ("minimax", "qwen")
     for layout, cache in (("paged", "fp8"), ("paged", "bf16"), ("hf", "bf16"))
-)
+) + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
 
 # ------------------------------------------------------------------------------------------
 # Example inputs (tiny, real structure: partial RoPE, GQA)
@@ -155,7 +201,8 @@ def example_inputs(variant: Variant, combo) -> list:
     cos, sin = torch.randn(_T, _ROT // 2), torch.randn(_T, _ROT // 2)
     cache_dtype = FP8 if p["cache"] == "fp8" else act
     k_cache = torch.zeros(_BLOCKS, _BS, _HKV, _D, dtype=cache_dtype)
-    inputs = [q, k, v, qw, kw, cos, sin, k_cache, k_cache.clone(), torch.arange(_T), _EPS]
+    variances = [torch.rand(_T, 1) + 0.5, torch.rand(_T, 1) + 0.5] if p["tp"] else []
+    inputs = [q, k, v, qw, kw, *variances, cos, sin, k_cache, k_cache.clone(), torch.arange(_T), _EPS]
     return inputs + ([_K_SCALE, _V_SCALE] if p["cache"] == "fp8" else [])
 
 
@@ -191,6 +238,103 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
     return facts
 
 
+@dataclasses.dataclass(frozen=True)
+class GlobalVariance:
+    """A full-width norm's global mean of squares as a tensor-parallel graph computes it:
+    ``wait_tensor(all_reduce(local, "sum", group)) / divisor``, or column ``column`` of that
+    when q and k share one [T, 2] all-reduce (vLLM's ``forward_qk``)."""
+
+    reduced: torch.fx.Node  # the wait_tensor: the all-reduced sums
+    column: int | None
+    divisor: float
+    group: str
+    world: int | None  # the group's size, where this process can read it
+    local: torch.fx.Node  # this rank's part: a [T, 1] mean of squares, or what stands there
+
+
+def _all_reduce_ops():
+    try:
+        return torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default
+    except (AttributeError, RuntimeError):  # torch built without distributed
+        return None, None
+
+
+def _group_size(group) -> int | None:
+    try:
+        from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+        return int(_get_group_size_by_name(group))
+    except Exception:  # no such group in this process, or no torch.distributed
+        return None
+
+
+def _last_dim(node: torch.fx.Node, dim) -> bool:
+    value = _compat.fake_value(node) if "val" in node.meta else None
+    return dim == -1 or (value is not None and dim == value.dim() - 1)
+
+
+def global_variance(node) -> GlobalVariance | str:
+    """Follow a norm's variance input back to its all-reduce; a reason where it does not lead there."""
+    all_reduce, wait = _all_reduce_ops()
+    if not isinstance(node, torch.fx.Node) or all_reduce is None:
+        return "the variance is not a graph value after an all-reduce"
+    column = None
+    if node.target is operator.getitem and getattr(node.args[0], "target", None) is aten.split.Tensor:
+        split = node.args[0]
+        if split.args[1] != 1 or not _last_dim(split.args[0], split.args[2] if len(split.args) > 2 else 0):
+            return f"the variance is a piece of {split.name} other than a column"
+        column, node = node.args[1], split.args[0]
+    elif node.target is aten.slice.Tensor and len(node.args) == 4 and node.args[3] == node.args[2] + 1:
+        if not _last_dim(node.args[0], node.args[1]):
+            return f"the variance is a slice of {node.args[0].name} other than a column"
+        column, node = node.args[2], node.args[0]
+    if node.target is not aten.div.Tensor or isinstance(node.args[1], torch.fx.Node):
+        return f"the variance is {node.target}, not an all-reduced sum divided by a constant"
+    divisor, reduced = node.args[1], node.args[0]
+    if getattr(reduced, "target", None) is not wait or getattr(reduced.args[0], "target", None) is not all_reduce:
+        return f"the divided variance is {getattr(reduced, 'target', reduced)}, not the result of an all-reduce"
+    _, op, group = reduced.args[0].args[:3]
+    if op != "sum":
+        return f"the variance's all-reduce is {op!r}, not a sum"
+    local = reduced.args[0].args[0]
+    if column is not None:
+        if local.target is not aten.cat.default or not _last_dim(local, local.args[1] if len(local.args) > 1 else 0):
+            return f"the all-reduced variances are {local.target}, not a cat of each side's local mean"
+        local = local.args[0][column]
+    return GlobalVariance(reduced, column, float(divisor), str(group), _group_size(group), local)
+
+
+def mean_square_source(node) -> torch.fx.Node | None:
+    """x where node is ``x.float().pow(2).mean(-1, keepdim=True)``: a mean of squares over all of
+    x's last dim."""
+    if getattr(node, "target", None) is not aten.mean.dim or not (len(node.args) > 2 and node.args[2]):
+        return None
+    value = _compat.fake_value(node)
+    if list(node.args[1]) not in ([-1], [value.dim() - 1] if value is not None else [-1]):
+        return None
+    square = node.args[0]
+    if square.target is aten.pow.Tensor_Scalar and square.args[1] == 2:
+        upcast = square.args[0]
+    elif square.target is aten.mul.Tensor and square.args[0] is square.args[1]:
+        upcast = square.args[0]
+    else:
+        return None
+    if upcast.target is not prims.convert_element_type.default or upcast.args[1] != torch.float32:
+        return None
+    return upcast.args[0]
+
+
+def _variance_facts(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Per side, the global variance (or why not) and whether its local part is the mean of
+    squares of the same q (k) the norm's tail reads."""
+    facts = {}
+    for side in ("q", "k"):
+        found = global_variance(inputs.get(f"{side}_var"))
+        own = not isinstance(found, str) and mean_square_source(found.local) is inputs.get(side)
+        facts[side] = (found, own)
+    return facts
+
+
 def _is_weight_cast(node) -> bool:
     return getattr(node, "target", None) is prims.convert_element_type.default and node.args[1] == torch.float32
 
@@ -206,7 +350,10 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
     heads = q.shape[-1] // head_dim if p["norm"] == "minimax" else q.shape[-2]
     rot = cos.shape[-1] if p["layout"] == "hf" else 2 * cos.shape[-1]
-    reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
+    if p["tp"]:
+        reason = _tp_reason(values, heads * head_dim, kv_heads * head_dim)
+    else:
+        reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
     if reason:
         return reason
     reason = _rope_reason(values["slices"], rot, head_dim, p["layout"])
@@ -229,6 +376,33 @@ def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) ->
             return f"the q/k norms reduce over {sorted(widths)} dims, not one head ({head_dim}): full-width where per-head is expected"
         if values["weight_offsets"] != {1.0}:
             return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
+    return None
+
+
+def _tp_reason(values, q_width: int, k_width: int) -> Reason:
+    """The variances are the global means of squares of this rank's q and k: all-reduced sums of
+    their local means, divided by the group's size."""
+    tokens = values["q"].shape[0]
+    divisors = set()
+    for side, width in (("q", q_width), ("k", k_width)):
+        found, own = values["variances"][side]
+        if isinstance(found, str):
+            return f"{side}: {found}"
+        if not own:
+            return f"{side}'s all-reduced part is not the mean of squares of this {side}'s {width} columns"
+        if found.world is None:
+            return f"cannot read the size of process group {found.group!r}: the world size the variance divides by is unchecked"
+        if found.divisor != found.world:
+            return (f"{side}'s all-reduced variance is divided by {found.divisor:g}, not by the group's {found.world} "
+                    f"ranks: not the global mean")  # fmt: skip
+        variance, weight = values[f"{side}_var"], values[f"{side}_weight"]
+        if variance.dtype != torch.float32 or tuple(variance.shape) != (tokens, 1):
+            return f"{side}'s variance is {variance.dtype} {tuple(variance.shape)}, not fp32 ({tokens}, 1)"
+        if tuple(weight.shape) != (width,):
+            return f"{side}'s norm weight is {tuple(weight.shape)}, not this rank's ({width},) columns"
+        divisors.add(found.divisor)
+    if len(divisors) > 1:
+        return f"q and k divide their variances by different sizes {sorted(divisors)}"
     return None
 
 
@@ -293,7 +467,7 @@ def replacement(variant: Variant, lowering: str):
     p = variant.params
     full_width, offset = p["norm"] == "minimax", 0.0 if p["norm"] == "minimax" else 1.0
 
-    def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
+    def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
         lead = v.shape[:-2] if p["layout"] == "hf" else v.shape[:-1]
         tokens = v.numel() // (kv_heads * head_dim)
@@ -304,24 +478,39 @@ def replacement(variant: Variant, lowering: str):
             slots = where if lead[0] == 1 else (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
         else:
             slots = where
+        # The TP variants hand over the divided global variance (divisor 1); passes/tp_variance.py
+        # later gives the op the all-reduced sums and the world size instead.
+        variances = dict(q_variance=q_var, k_variance=k_var, variance_divisor=1.0) if p["tp"] else {}
         q_out, k_new, v_new = _call(
             lowering,
             q=q.reshape(tokens, -1, head_dim), k=k.reshape(tokens, -1, head_dim), v=v.reshape(tokens, kv_heads, head_dim),
             q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps, weight_offset=offset, full_width_norm=full_width,
             cos=cos, sin=sin, positions=None, k_cache=k_cache, v_cache=v_cache, slots=slots,
-            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf",
+            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf", **variances,
         )  # fmt: skip
         if p["layout"] == "hf":
             q_out = q_out.view(*lead, -1, head_dim).transpose(1, 2)
         return q_out, k_new, v_new
 
-    if p["cache"] != "fp8":
+    # One wrapper per search signature: the tracer hands over exactly the search's arguments.
+    if p["tp"]:
 
-        def replace_bf16(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps):
-            return replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps)
+        def replace_tp(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps,
+                       k_scale=1.0, v_scale=1.0):  # fmt: skip
+            return fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var)
 
-        return replace_bf16
-    return replace
+        def replace_tp_bf16(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps):
+            return replace_tp(q, k, v, q_weight, k_weight, q_var, k_var, cos, sin, k_cache, v_cache, where, eps)
+
+        return replace_tp if p["cache"] == "fp8" else replace_tp_bf16
+
+    def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
+        return fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, None, None)
+
+    def replace_bf16(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps):
+        return replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps)
+
+    return replace if p["cache"] == "fp8" else replace_bf16
 
 
 # ------------------------------------------------------------------------------------------
@@ -379,6 +568,8 @@ def _facts_with_angles(nodes, inputs):
     facts["angles_duplicated"] = all(mla_prologue._duplicated_halves(inputs.get(n)) for n in ("cos", "sin"))
     # q's and k's subgraphs have the same shape: the matcher can bind both to k's nodes.
     facts["q_is_k"] = inputs.get("q") is inputs.get("k")
+    if "q_var" in inputs:
+        facts["variances"] = _variance_facts(inputs)
     return facts
 
 

@@ -5,7 +5,11 @@ fused qkv tensor (row stride > width; with ``gated`` q sits inside Qwen3.5's per
 rows, head stride 2D), caches are paged or HF's heads-first static layout, poisoned outside the
 written slots and checked unchanged there, slots include -1; cos / sin are fp32 tables read at
 positions (vLLM) or bf16 per-token rows (HF). Outputs: bf16 equal to the reference except a few elements
-one ulp apart (rsqrt's last bit), FP8 codes equal except a few one code apart.
+one ulp apart (rsqrt's last bit), FP8 codes equal except a few one code apart. With ``tp`` the
+full-width norm takes its means of squares as inputs (a tensor-parallel rank: the all-reduced
+[T, 2] sums' columns, strided, and the world size), which are *not* those of its own rows, so
+a kernel that summed its rows anyway would fail. The local means (``_variance_kernel``) equal
+torch's mean to fp32 rounding of the sum.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
 from fusion_compiler.kernels import gqa_prologue as K  # noqa: E402
-from fusion_compiler.ops.gqa_prologue import gqa_prologue_reference  # noqa: E402
+from fusion_compiler.ops.gqa_prologue import gqa_prologue_reference, gqa_prologue_variance_reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -67,7 +71,7 @@ def _run(c):
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     positions = None if positions is None else positions.to(DEVICE)
     args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], cos, sin, positions)
-    tail = (slots.to(DEVICE), 0.5, 0.25, heads_first)
+    tail = (slots.to(DEVICE), 0.5, 0.25, heads_first, *_variances(c, t, gen))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
     q_out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -80,6 +84,17 @@ def _run(c):
             _assert_bf16_close(got, want, name)
 
 
+def _variances(c, tokens, gen):
+    """(q_variance, k_variance, divisor): with ``tp``, columns of an all-reduced [T, 2] of sums
+    of the ranks' means (stride 2, as the graph's split hands them over) and the world size."""
+    if not c.get("tp"):
+        return None, None, 1.0
+    world = c["tp"]
+    sums = (torch.rand(tokens, 2, generator=gen) * 3 + 0.05) * world
+    sums = sums.to(DEVICE)
+    return sums[:, :1], sums[:, 1:], float(world)
+
+
 @st.composite
 def configs(draw):
     head_dim = draw(st.sampled_from([16, 32, 48]))
@@ -90,6 +105,14 @@ def configs(draw):
         gated=draw(st.booleans()), heads_first=draw(st.booleans()), hf_angles=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )  # fmt: skip
+
+
+@st.composite
+def tp_configs(draw):
+    """A tensor-parallel rank's full-width prologue: paged cache, vLLM tables (the TP patterns'
+    layout), given means of squares over 2-8 ranks."""
+    return {**draw(configs()), "full_width": True, "offset": False, "gated": False, "heads_first": False,
+            "hf_angles": False, "tp": draw(st.sampled_from([2, 3, 8]))}  # fmt: skip
 
 
 @settings(max_examples=20, deadline=None)
@@ -112,8 +135,35 @@ def test_model_layouts(model):
     _run({**c, "heads_first": True, "hf_angles": True})  # HF's static cache and per-token angles
 
 
+@settings(max_examples=15, deadline=None)
+@given(c=tp_configs())
+def test_kernel_with_given_variances_matches_reference(c):
+    _run(c)
+
+
+def test_given_variances_over_head_blocks(monkeypatch):
+    """The given rstd holds for every head block (MiniMax's 6 / tp heads of 128 at 4096 tokens)."""
+    monkeypatch.setattr(K, "_BLOCK_LANES", 64)
+    monkeypatch.setattr(K, "WHOLE_TILES_UP_TO", 0)
+    _run(dict(tokens=3, kv_heads=2, group=3, head_dim=64, seed=5, fp8=True, rotary_dim=32, full_width=True,
+              offset=False, tp=2))  # fmt: skip
+
+
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.integers(1, 5), q_width=st.integers(1, 2600), k_width=st.integers(1, 300),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed):
+    """Local means of squares of q and k rows read in place from one qkv row (row stride > width)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, q_width + 2 * k_width + 3, generator=gen) * 3).to(dtype).to(DEVICE)
+    q, k = qkv[:, :q_width], qkv[:, q_width : q_width + k_width]
+    out = torch.full((tokens, 2), float("nan"), device=DEVICE)
+    K.gqa_prologue_variance_fwd(q, k, out)
+    torch.testing.assert_close(out.cpu(), gqa_prologue_variance_reference(q, k).cpu(), rtol=2e-6, atol=0)
+
+
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-7"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-8"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
@@ -126,3 +176,27 @@ def test_head_blocks(monkeypatch, model, lanes):
     c = dict(tokens=3, kv_heads=2, group=3, head_dim=64, seed=11, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen", heads_first=model == "qwen")
     _run(c)
+
+
+@pytest.mark.parametrize("tp", [False, True])
+def test_op_device_body_with_and_without_variances(tp):
+    """The op's CUDA registration (defaults filled in, q_out allocated) on this tier's tensors:
+    called with the 17 single-rank arguments only, and with the TP ones."""
+    from fusion_compiler.ops.gqa_prologue import _cuda
+
+    gen = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 3, 4, 2, 32
+    q = torch.randn(t, hq, d, generator=gen).bfloat16().to(DEVICE)
+    k, v = (torch.randn(t, hkv, d, generator=gen).bfloat16().to(DEVICE) for _ in range(2))
+    qw, kw = torch.rand(hq * d, generator=gen).to(DEVICE), torch.rand(hkv * d, generator=gen).to(DEVICE)
+    table = _cos_sin(16, 16, gen)
+    cache = torch.randn(4, 4, hkv, d, generator=gen).bfloat16().to(DEVICE)
+    args = [q, k, v, qw, kw, 1e-6, 0.0, True, table[:, :8], table[:, 8:], torch.tensor([1, 7, 3]).to(DEVICE)]
+    tail = [torch.tensor([0, -1, 9]).to(DEVICE), 1.0, 1.0, False]
+    extra = [(torch.rand(t, 1, generator=gen) + 0.5).to(DEVICE), (torch.rand(t, 1, generator=gen) + 0.5).to(DEVICE), 2.0] if tp else []
+    caches, ref_caches = [cache.clone(), cache.clone()], [cache.clone(), cache.clone()]
+    q_out = _cuda(*args, *caches, *tail, *extra)
+    q_ref = gqa_prologue_reference(*args, *ref_caches, *tail, *extra)
+    _assert_bf16_close(q_out, q_ref, "q_out")
+    for got, want in zip(caches, ref_caches):
+        _assert_bf16_close(got, want, "cache")

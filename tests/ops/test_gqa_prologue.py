@@ -67,3 +67,112 @@ def test_per_head_gemma_norm_and_fp8_cache():
     assert torch.equal(q_out, expected)
     v_rows = v_cache.view(-1, 2, 32)[slots].float() * 0.25
     assert (v_rows - v.float().view(2, 2, 32)).abs().max() <= 0.0625 * v.float().abs().max()  # e4m3 step
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor parallelism: the means of squares given (q_variance / k_variance / variance_divisor)
+# ------------------------------------------------------------------------------------------
+
+
+def _tp_case(world: int = 2, tokens: int = 3):
+    """A single-rank MiniMax layout split over ``world`` ranks: per rank its heads, weight shards
+    and caches; the all-reduced sums of the ranks' local means, as the graph has them."""
+    cfg = ref.TINY
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(tokens, cfg.q_width, generator=gen).bfloat16()
+    k, v = (torch.randn(tokens, cfg.kv_width, generator=gen).bfloat16() for _ in range(2))
+    qw, kw = ((torch.randn(w, generator=gen) * 0.1 + 1).bfloat16() for w in (cfg.q_width, cfg.kv_width))
+    table = ref.rope_cos_sin_cache(cfg)
+    positions, slots = torch.tensor([7, 0, 33]), torch.tensor([9, 41, 40])
+    half = cfg.rotary_dim // 2
+    ranks = []
+    for r in range(world):
+        qs, ks = q.chunk(world, -1)[r], k.chunk(world, -1)[r]
+        ranks.append(dict(q=qs, k=ks, v=v.chunk(world, -1)[r], qw=qw.chunk(world)[r], kw=kw.chunk(world)[r],
+                          local=op.gqa_prologue_variance_reference(qs, ks)))  # fmt: skip
+    sums = sum(r["local"] for r in ranks)
+    common = (cfg.rms_norm_eps, 0.0, True, table[:, :half], table[:, half:], positions)
+    return cfg, q, k, v, qw, kw, ranks, sums, common, slots
+
+
+def test_given_variances_on_every_rank_gather_to_the_single_rank_op():
+    world = 2
+    cfg, q, k, v, qw, kw, ranks, sums, common, slots = _tp_case(world)
+    hd = cfg.head_dim
+    caches = _caches(cfg)
+    k_full, v_full = caches[0].clone(), caches[1].clone()
+    q_full = op.gqa_prologue_reference(
+        q.view(3, -1, hd), k.view(3, -1, hd), v.view(3, -1, hd), qw, kw, *common, k_full, v_full, slots, 1.0, 1.0
+    )
+    outs, k_rows = [], []
+    for r, rank in enumerate(ranks):
+        heads = cfg.num_kv_heads // world
+        k_c, v_c = caches[0][:, :, r * heads : (r + 1) * heads].clone(), caches[1][:, :, r * heads : (r + 1) * heads].clone()
+        outs.append(op.gqa_prologue_reference(
+            rank["q"].view(3, -1, hd), rank["k"].view(3, -1, hd), rank["v"].view(3, -1, hd), rank["qw"], rank["kw"],
+            *common, k_c, v_c, slots, 1.0, 1.0, False, sums[:, :1], sums[:, 1:], float(world),
+        ))  # fmt: skip
+        k_rows.append(k_c.view(-1, heads, hd)[slots])
+    # The global mean is the ranks' local means summed and divided: fp32 sums in another order.
+    assert relative_error(torch.cat(outs, dim=1), q_full) < 2e-3
+    assert relative_error(torch.cat(k_rows, dim=1), k_full.view(-1, cfg.num_kv_heads, hd)[slots]) < 2e-3
+
+
+def test_variance_divisor_divides_the_given_sums():
+    """(sums, world) and (sums / world, 1) are the same norm: the division rounds once either way."""
+    cfg, q, k, v, qw, kw, ranks, sums, common, slots = _tp_case()
+    rank, hd = ranks[0], cfg.head_dim
+    args = (rank["q"].view(3, -1, hd), rank["k"].view(3, -1, hd), rank["v"].view(3, -1, hd), rank["qw"], rank["kw"], *common)
+    c1 = [c[:, :, :1].clone() for c in _caches(cfg)]
+    c2 = [c.clone() for c in c1]
+    a = op.gqa_prologue_reference(*args, *c1, slots, 1.0, 1.0, False, sums[:, :1], sums[:, 1:], 2.0)
+    b = op.gqa_prologue_reference(*args, *c2, slots, 1.0, 1.0, False, sums[:, :1] / 2, sums[:, 1:] / 2, 1.0)
+    assert torch.equal(a, b) and torch.equal(c1[0], c2[0])
+
+
+def test_canonical_decomposition_takes_the_variances_too():
+    cfg, q, k, v, qw, kw, ranks, sums, common, slots = _tp_case()
+    rank, hd = ranks[1], cfg.head_dim
+    kwargs = dict(zip(op.ARG_NAMES, (
+        rank["q"].view(3, -1, hd), rank["k"].view(3, -1, hd), rank["v"].view(3, -1, hd), rank["qw"], rank["kw"], *common,
+        *[c[:, :, :1].clone() for c in _caches(cfg)], slots, 1.0, 1.0, False, sums[:, :1], sums[:, 1:], 2.0,
+    )))  # fmt: skip
+    q_out, k_new, v_new = op.gqa_prologue_canonical(**kwargs)
+    k_ref, v_ref = kwargs["k_cache"].clone(), kwargs["v_cache"].clone()
+    q_ref = op.gqa_prologue_reference(**{**kwargs, "k_cache": k_ref, "v_cache": v_ref})
+    assert torch.equal(q_out, q_ref) and torch.equal(k_new, k_ref) and torch.equal(v_new, v_ref)
+
+
+def test_variance_op_is_each_side_s_local_mean_of_squares():
+    qkv = torch.randn(3, 96 + 2 * 32, dtype=torch.bfloat16)
+    q, k = qkv[:, :96], qkv[:, 96:128]
+    out = torch.ops.fusion_compiler.gqa_prologue_variance(q, k)
+    assert out.shape == (3, 2) and out.dtype == torch.float32
+    assert torch.equal(out[:, 0], q.float().pow(2).mean(-1)) and torch.equal(out[:, 1], k.float().pow(2).mean(-1))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.fusion_compiler.gqa_prologue_variance(mode.from_tensor(q), mode.from_tensor(k))
+    assert fake.shape == (3, 2) and fake.dtype == torch.float32
+
+
+def test_variance_arguments_are_checked():
+    import pytest
+
+    cfg, q, k, v, qw, kw, ranks, sums, common, slots = _tp_case()
+    rank, hd = ranks[0], cfg.head_dim
+    args = (rank["q"].view(3, -1, hd), rank["k"].view(3, -1, hd), rank["v"].view(3, -1, hd), rank["qw"], rank["kw"], *common)
+    caches = [c[:, :, :1].clone() for c in _caches(cfg)]
+    tail = (slots, 1.0, 1.0, False)
+    with pytest.raises(ValueError, match="come together"):
+        op.gqa_prologue_reference(*args, *caches, *tail, sums[:, :1], None, 2.0)
+    with pytest.raises(ValueError, match="q_variance dim 0"):
+        op.gqa_prologue_reference(*args, *caches, *tail, sums[:2, :1], sums[:2, 1:], 2.0)
+    with pytest.raises(ValueError, match="q_variance dtype"):
+        op.gqa_prologue_reference(*args, *caches, *tail, sums[:, :1].double(), sums[:, 1:], 2.0)
+    with pytest.raises(ValueError, match="variance_divisor"):
+        op.gqa_prologue_reference(*args, *caches, *tail, sums[:, :1], sums[:, 1:], 0.0)
+    per_head = (*args[:5], cfg.rms_norm_eps, 1.0, False, *common[3:])
+    with pytest.raises(ValueError, match="full_width_norm is False"):
+        op.gqa_prologue_reference(*per_head[:3], torch.ones(hd), torch.ones(hd), *per_head[5:], *caches, *tail,
+                                  sums[:, :1], sums[:, 1:], 2.0)  # fmt: skip

@@ -24,6 +24,7 @@ from fusion_compiler.model_adapters.minimax_m2 import reference as minimax
 from fusion_compiler.model_adapters.qwen35 import reference as qwen
 from fusion_compiler.patterns import add_rms_norm, gqa_prologue, mla_prologue
 from fusion_compiler.verify import relative_error
+from gqa_fixtures import assert_missed, compile_beside_eager, prologue_inputs
 
 FAMILY = "gqa_prologue"
 FP8 = torch.float8_e4m3fn
@@ -217,29 +218,11 @@ class Prologue(torch.nn.Module):
 
 
 def _near_miss(norm: str, rope: str = "neox", rot: int = 8, full_weights: bool = False):
-    t, hq, hkv, d = 3, 4, 2, 16
-    q, k = torch.randn(t, hq * d, dtype=torch.bfloat16), torch.randn(t, hkv * d, dtype=torch.bfloat16)
-    v = torch.randn(t, hkv * d, dtype=torch.bfloat16)
-    qw = torch.randn(hq * d if full_weights else d, dtype=torch.bfloat16)
-    kw = torch.randn(hkv * d if full_weights else d, dtype=torch.bfloat16)
-    table = torch.randn(32, max(rot, 16))
-    caches = [torch.randn(4, 4, hkv, d, dtype=torch.bfloat16) for _ in range(2)]
-    eager_caches = [c.clone() for c in caches]
-    args = (q, k, v, qw, kw, table, torch.tensor([3, 1, 30]))
-    slots = torch.tensor([0, 9, 5])
-    module = Prologue(norm, rope, rot)
-    backend = fc.FusionBackend(fc.FusionConfig(families={"add_rms_norm": "off", "mla_prologue": "off"}))
-    with torch.no_grad():
-        expected = module(*args, *eager_caches, slots)
-        actual = torch.compile(module, backend=backend)(*args, *caches, slots)
-    assert relative_error(actual, expected) < 1e-2 and relative_error(caches[0], eager_caches[0]) < 1e-2
-    return backend.report
+    args, caches, slots = prologue_inputs(full_weights, table_width=max(rot, 16))
+    families = {"add_rms_norm": "off", "mla_prologue": "off"}
+    return compile_beside_eager(Prologue(norm, rope, rot), args, caches, slots, families)
 
 
-def _assert_missed(report, *words):
-    assert report.per_variant() == {}, report.format()
-    [miss] = report.misses(FAMILY)
-    assert all(w in miss.reason for w in words), miss.reason
 
 
 def test_the_full_width_spelling_matches():
@@ -247,24 +230,24 @@ def test_the_full_width_spelling_matches():
 
 
 def test_per_head_norm_where_full_width_is_expected_does_not_match():
-    _assert_missed(_near_miss("head"))
+    assert_missed(_near_miss("head"))
 
 
 def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
-    _assert_missed(_near_miss("gemma_full", full_weights=True))
+    assert_missed(_near_miss("gemma_full", full_weights=True))
 
 
 def test_plain_weight_where_gemma_is_expected_does_not_match():
-    _assert_missed(_near_miss("plain_w_head"))
+    assert_missed(_near_miss("plain_w_head"))
 
 
 def test_gemma_offset_other_than_one_does_not_match():
     """The 1.0 is a literal of the traced pattern (the guard checks it too: ``_norm_reason``)."""
-    _assert_missed(_near_miss("offset_half_head"))
+    assert_missed(_near_miss("offset_half_head"))
 
 
 def test_rope_over_all_dims_where_partial_is_expected_does_not_match():
-    _assert_missed(_near_miss("full", rot=16, full_weights=True))
+    assert_missed(_near_miss("full", rot=16, full_weights=True))
 
 
 def test_guard_names_full_rope_gptj_steps_and_norm_widths():
@@ -282,4 +265,4 @@ def test_guard_names_full_rope_gptj_steps_and_norm_widths():
 
 
 def test_gptj_pairs_where_neox_is_expected_do_not_match():
-    _assert_missed(_near_miss("full", rope="gptj", full_weights=True))
+    assert_missed(_near_miss("full", rope="gptj", full_weights=True))

@@ -38,29 +38,8 @@ from ..paged_kv import paged_decode_attention, rope_neox_partial, write_cache
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceConfig:
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
+class ReferenceConfig(paged_kv.AttentionConfig):
     rope_theta: float = 1e7
-    rms_norm_eps: float = 1e-6
-    block_size: int = 16
-    kv_cache_dtype: str = "bf16"  # or "fp8"
-    max_position: int = 4096
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return paged_kv.cache_dtype_of(self.kv_cache_dtype)
 
 
 REAL = ReferenceConfig(hidden_size=4096, num_heads=32, num_kv_heads=2, head_dim=256, rotary_dim=64)
