@@ -40,3 +40,43 @@ def assert_missed(report, *words):
     assert report.per_variant() == {}, report.format()
     [miss] = report.misses(FAMILY)
     assert all(w in miss.reason for w in words), miss.reason
+
+
+def paged_decode(ref, ours, cfg, x: torch.Tensor, k_scale=1.0, v_scale=1.0):
+    """Decode x [L, hidden] through a reference ``Attention`` one token at a time, the
+    sequence's blocks scattered in the paged caches. Returns (outputs [L, hidden], k_cache)."""
+    from fusion_compiler.model_adapters import paged_kv
+
+    length = x.shape[0]
+    blocks = -(-length // cfg.block_size)
+    block_table = torch.randperm(blocks + 3)[:blocks].view(1, blocks)
+    k_cache = torch.randn(blocks + 3, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).to(cfg.cache_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cfg.cache_dtype)
+    table = ref.rope_cos_sin_cache(cfg)
+    rows = []
+    with torch.no_grad():
+        for p in range(length):
+            slots, valid = paged_kv.context_of(block_table, torch.tensor([p + 1]), cfg.block_size)
+            args = (table, torch.tensor([p]), slots[:, -1], k_cache, v_cache, k_scale, v_scale, slots, valid)
+            rows.append(ours(x[p : p + 1], *args))
+    return torch.cat(rows), k_cache
+
+
+def assert_prologue_writes_only_its_slots(ref):
+    """A reference prologue writes K and V at its tokens' slots and nowhere else."""
+    cfg = ref.TINY
+    torch.manual_seed(0)
+    ours = ref.Attention(cfg).to(torch.bfloat16)
+    k_cache = torch.randn(6, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
+    slots = torch.tensor([5, 2 * cfg.block_size + 7, 4 * cfg.block_size])
+    with torch.no_grad():
+        ours.prologue(x, ref.rope_cos_sin_cache(cfg), torch.tensor([3, 0, 40]), slots, k_cache, v_cache, 1.0, 1.0)
+    written = torch.zeros(6 * cfg.block_size, dtype=torch.bool)
+    written[slots] = True
+    for cache, before in ((k_cache, before_k), (v_cache, before_v)):
+        flat, flat_before = cache.view(-1, *cache.shape[2:]), before.view(-1, *cache.shape[2:])
+        assert torch.equal(flat[~written], flat_before[~written])
+        assert not torch.equal(flat[written], flat_before[written])

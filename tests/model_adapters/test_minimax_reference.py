@@ -15,28 +15,13 @@ import torch
 from fusion_compiler.model_adapters import get_adapter
 from fusion_compiler.model_adapters.minimax_m2 import reference as ref
 from fusion_compiler.verify import relative_error
+from gqa_fixtures import assert_prologue_writes_only_its_slots, paged_decode
 
 
 @pytest.fixture(scope="module")
 def hf_tiny():
     model = get_adapter("minimax-m2.5").build_hf(size="tiny", layers=1, dtype=torch.bfloat16)
     return model, model.model.layers[0].self_attn
-
-
-def _paged_decode(ours: ref.Attention, cfg: ref.ReferenceConfig, x: torch.Tensor, k_scale=1.0, v_scale=1.0):
-    """Decode x [L, H] one token at a time; blocks of the sequence are scattered in the cache."""
-    length = x.shape[0]
-    blocks = -(-length // cfg.block_size)
-    block_table = torch.randperm(blocks + 3)[:blocks].view(1, blocks)
-    k_cache = torch.randn(blocks + 3, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).to(cfg.cache_dtype)
-    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cfg.cache_dtype)
-    table = ref.rope_cos_sin_cache(cfg)
-    rows = []
-    for p in range(length):
-        positions = torch.tensor([p])
-        slots, valid = ref.context_of(block_table, torch.tensor([p + 1]), cfg.block_size)
-        rows.append(ours(x[p : p + 1], table, positions, slots[:, -1], k_cache, v_cache, k_scale, v_scale, slots, valid))
-    return torch.cat(rows), k_cache, v_cache, block_table
 
 
 def test_reference_decode_equals_hf_prefill(hf_tiny):
@@ -49,26 +34,12 @@ def test_reference_decode_equals_hf_prefill(hf_tiny):
     with torch.no_grad():
         cos, sin = model.model.rotary_emb(x, positions)
         hf_out, _ = hf_attn(x, (cos, sin), attention_mask=None)
-        ours_out, *_ = _paged_decode(ours, cfg, x[0])
+        ours_out, *_ = paged_decode(ref, ours, cfg, x[0])
     assert relative_error(ours_out, hf_out[0]) < 1e-2  # measured 2.7e-3; full-width RoPE gives 0.24
 
 
 def test_cache_writes_only_the_tokens_slots():
-    cfg = ref.TINY
-    ours = ref.Attention(cfg).to(torch.bfloat16)
-    k_cache = torch.randn(6, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).bfloat16()
-    v_cache = torch.randn_like(k_cache)
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
-    slots = torch.tensor([5, 2 * cfg.block_size + 7, 4 * cfg.block_size])
-    with torch.no_grad():
-        ours.prologue(x, ref.rope_cos_sin_cache(cfg), torch.tensor([3, 0, 40]), slots, k_cache, v_cache, 1.0, 1.0)
-    written = torch.zeros(6 * cfg.block_size, dtype=torch.bool)
-    written[slots] = True
-    flat_k, flat_v = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim), v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-    assert torch.equal(flat_k[~written], before_k.view_as(flat_k)[~written])
-    assert torch.equal(flat_v[~written], before_v.view_as(flat_v)[~written])
-    assert not torch.equal(flat_k[written], before_k.view_as(flat_k)[written])
+    assert_prologue_writes_only_its_slots(ref)
 
 
 def test_fp8_cache_round_trips_within_fp8_precision(hf_tiny):
@@ -78,7 +49,7 @@ def test_fp8_cache_round_trips_within_fp8_precision(hf_tiny):
     bf16 = ref.config_of(model.config, block_size=4)
     x = torch.randn(6, cfg.hidden_size, dtype=torch.bfloat16)
     with torch.no_grad():
-        out_fp8, k_cache, *_ = _paged_decode(ours, cfg, x, k_scale=0.05, v_scale=0.02)
-        out_bf16, *_ = _paged_decode(ref.from_hf(hf_attn, bf16), bf16, x)
+        out_fp8, k_cache, *_ = paged_decode(ref, ours, cfg, x, k_scale=0.05, v_scale=0.02)
+        out_bf16, *_ = paged_decode(ref, ref.from_hf(hf_attn, bf16), bf16, x)
     assert k_cache.dtype == ref.FP8
     assert relative_error(out_fp8, out_bf16) < 0.1  # e4m3 keeps 3 mantissa bits

@@ -19,6 +19,7 @@ import torch
 from fusion_compiler.model_adapters import get_adapter, paged_kv
 from fusion_compiler.model_adapters.qwen35 import reference as ref
 from fusion_compiler.verify import relative_error
+from gqa_fixtures import assert_prologue_writes_only_its_slots, paged_decode
 
 LENGTH = 9
 
@@ -39,35 +40,18 @@ def hf_tiny():
     return model, hf_attn, x[0], hf_out[0]
 
 
-def _paged_decode(ours: ref.Attention, cfg: ref.ReferenceConfig, x: torch.Tensor, k_scale=1.0, v_scale=1.0):
-    """Decode x [L, H] one token at a time; blocks of the sequence are scattered in the cache."""
-    length = x.shape[0]
-    blocks = -(-length // cfg.block_size)
-    block_table = torch.randperm(blocks + 3)[:blocks].view(1, blocks)
-    k_cache = torch.randn(blocks + 3, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).to(cfg.cache_dtype)
-    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(cfg.cache_dtype)
-    table = ref.rope_cos_sin_cache(cfg)
-    rows = []
-    with torch.no_grad():
-        for p in range(length):
-            slots, valid = paged_kv.context_of(block_table, torch.tensor([p + 1]), cfg.block_size)
-            args = (table, torch.tensor([p]), slots[:, -1], k_cache, v_cache, k_scale, v_scale, slots, valid)
-            rows.append(ours(x[p : p + 1], *args))
-    return torch.cat(rows), k_cache
-
-
 def test_reference_decode_equals_hf_prefill(hf_tiny):
     model, hf_attn, x, hf_out = hf_tiny
     cfg = ref.config_of(model.config, block_size=4)
     assert cfg.rotary_dim == 16  # partial: 16 of 64 dims (partial_rotary_factor 0.25)
-    out, _ = _paged_decode(ref.from_hf(hf_attn, cfg), cfg, x)
+    out, _ = paged_decode(ref, ref.from_hf(hf_attn, cfg), cfg, x)
     assert relative_error(out, hf_out) < 1e-2  # measured 2.6e-3; full-width RoPE gives 0.19
 
 
 def test_fp8_cache_decode_equals_hf_prefill_within_fp8_precision(hf_tiny):
     model, hf_attn, x, hf_out = hf_tiny
     cfg = ref.config_of(model.config, block_size=4, kv_cache_dtype="fp8")
-    out, k_cache = _paged_decode(ref.from_hf(hf_attn, cfg), cfg, x, k_scale=0.05, v_scale=0.02)
+    out, k_cache = paged_decode(ref, ref.from_hf(hf_attn, cfg), cfg, x, k_scale=0.05, v_scale=0.02)
     assert k_cache.dtype == paged_kv.FP8
     assert relative_error(out, hf_out) < 0.1  # e4m3 keeps 3 mantissa bits; measured 3.1e-2
 
@@ -94,28 +78,12 @@ def test_near_misses_differ_from_hf(hf_tiny, near_miss):
     cfg = ref.config_of(model.config, block_size=4)
     ours = ref.from_hf(hf_attn, cfg)
     near_miss(ours)
-    out, _ = _paged_decode(ours, cfg, x)
+    out, _ = paged_decode(ref, ours, cfg, x)
     assert relative_error(out, hf_out) > 0.1  # measured: plain w 0.48, not interleaved 0.60
 
 
 def test_cache_writes_only_the_tokens_slots():
-    cfg = ref.TINY
-    torch.manual_seed(0)
-    ours = ref.Attention(cfg).to(torch.bfloat16)
-    k_cache = torch.randn(6, cfg.block_size, cfg.num_kv_heads, cfg.head_dim).bfloat16()
-    v_cache = torch.randn_like(k_cache)
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    x = torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16)
-    slots = torch.tensor([5, 2 * cfg.block_size + 7, 4 * cfg.block_size])
-    with torch.no_grad():
-        ours.prologue(x, ref.rope_cos_sin_cache(cfg), torch.tensor([3, 0, 40]), slots, k_cache, v_cache, 1.0, 1.0)
-    written = torch.zeros(6 * cfg.block_size, dtype=torch.bool)
-    written[slots] = True
-    flat_k, flat_v = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim), v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-    assert torch.equal(flat_k[~written], before_k.view_as(flat_k)[~written])
-    assert torch.equal(flat_v[~written], before_v.view_as(flat_v)[~written])
-    assert not torch.equal(flat_k[written], before_k.view_as(flat_k)[written])
-    assert not torch.equal(flat_v[written], before_v.view_as(flat_v)[written])
+    assert_prologue_writes_only_its_slots(ref)
 
 
 @pytest.mark.parametrize("emulate_precision_casts", [False, True])
