@@ -84,3 +84,20 @@ def kernels_in(fn: Callable[[], object]) -> int:
 def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
+
+
+def time_variants(variants: dict, sets: list[dict], rotations: int, size: int, bandwidth: float, row: dict) -> None:
+    """For each variant (called as ``fn(**sets[i])``): profiler kernel count (and names, but
+    eager's), CUDA-graph µs over the rotated input sets, GB/s and % of ``bandwidth`` for
+    ``size`` bytes, into ``row`` as ``<label>_kernels`` / ``_us`` / ``_gbs`` / ``_pct_bw``."""
+    from fusion_compiler.inspect.counting import count_cuda_kernels
+
+    for label, fn in variants.items():
+        count = count_cuda_kernels(lambda fn=fn: fn(**sets[0]))
+        row[f"{label}_kernels"] = count.count
+        if label != "eager":
+            row[f"{label}_kernel_names"] = count.names
+        us = graph_time_us(lambda i, fn=fn: fn(**sets[i]), rotations)
+        row[f"{label}_us"] = us
+        row[f"{label}_gbs"] = size / us / 1e3
+        row[f"{label}_pct_bw"] = 100 * size / us / 1e3 / bandwidth

@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
-from fusion_compiler.inspect.counting import count_cuda_kernels  # noqa: E402
 from fusion_compiler.model_adapters.minimax_m2 import reference as minimax  # noqa: E402
 from fusion_compiler.model_adapters.qwen35 import reference as qwen  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
@@ -162,15 +161,7 @@ def main() -> None:
                     if label in outputs:
                         row[f"{label}_vs_eager"] = compare(*outputs[label], *outputs["eager"])
                 row["report"] = backend.report.to_dict()
-                for label, fn in variants.items():
-                    count = count_cuda_kernels(lambda fn=fn: fn(**sets[0]))
-                    row[f"{label}_kernels"] = count.count
-                    if label != "eager":
-                        row[f"{label}_kernel_names"] = count.names
-                    us = common.graph_time_us(lambda i, fn=fn: fn(**sets[i]), rotations)
-                    row[f"{label}_us"] = us
-                    row[f"{label}_gbs"] = size / us / 1e3
-                    row[f"{label}_pct_bw"] = 100 * size / us / 1e3 / bandwidth
+                common.time_variants(variants, sets, rotations, size, bandwidth, row)
             if "inductor_us" in row and "ours_us" in row:
                 row["speedup_vs_inductor"] = row["inductor_us"] / row["ours_us"]
             if tokens == max(args.tokens) and args.sweep_lanes and "ours" in variants:

@@ -371,3 +371,17 @@ def test_hf_multi_token_path_is_another_graph_and_is_not_fused(hf_gdn_layer):
     report, error = _compile_two_tokens(HfMultiToken(hf_gdn), (x, eager_cache), (x, fused_cache))
     assert report.count(FAMILY) == 0 and report.misses(FAMILY) == [], report.format()  # no delta-rule candidate
     assert error < 1e-2
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (session 4): at one sequence the reference's GDN site is a miss "
+                   "('no variant matched'); at 2+ sequences it fuses. Found by bench/gdn_decode.py --smoke.")
+def test_reference_fuses_at_one_sequence():
+    cfg = ref.TINY
+    torch.manual_seed(0)
+    layer = ref.GatedDeltaNet(cfg).bfloat16()
+    conv = torch.randn(cfg.conv_state_shape(NUM_SLOTS)).bfloat16()
+    recurrent = torch.randn(cfg.recurrent_state_shape(NUM_SLOTS)) * 0.1
+    backend = fc.FusionBackend(fc.FusionConfig(families={FAMILY: "triton"}))
+    with torch.no_grad():
+        torch.compile(layer, backend=backend)(torch.randn(1, cfg.hidden_size).bfloat16(), conv, recurrent, SLOTS[:1])
+    assert backend.report.per_variant() == {"slots": 1}, backend.report.format()
