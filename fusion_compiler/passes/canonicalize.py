@@ -51,6 +51,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _full_topk(node)
         elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
             changed += _static_shape(node)
+        elif node.target is aten.index_put.default and len(node.args) >= 3:
+            changed += _unsqueezed_put_values(node)
         elif node.target is prims.convert_element_type.default and len(node.users) > 1:
             changed += _own_upcast_before_collective(node)
         elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
@@ -63,6 +65,29 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     for node in online_softmaxes:
         changed += _plain_router_softmax(node)
     return changed
+
+
+def _unsqueezed_put_values(node: torch.fx.Node) -> int:
+    """``index_put(x, [i], v.reshape(shape))`` where the reshape only drops leading size-1 dims:
+    ``v`` broadcasts to the same rows. A one-row write (decode at batch 1) is traced with that
+    reshape; the same write at batch 2 is not."""
+    values = node.args[2]
+    if getattr(values, "target", None) not in (aten.reshape.default, aten.view.default):
+        return 0
+    source = values.args[0]
+    before, after, target = (_val_shape(n) for n in (source, values, node.args[0]))
+    if None in (before, after, target) or len(before) <= len(after) or len(before) > len(target):
+        return 0
+    extra = len(before) - len(after)
+    if tuple(before[extra:]) != tuple(after) or any(size != 1 for size in before[:extra]):
+        return 0
+    node.args = (node.args[0], node.args[1], source, *node.args[3:])
+    return 1
+
+
+def _val_shape(node):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _static_shape(node: torch.fx.Node) -> int:
