@@ -80,6 +80,19 @@ def _given_rstd(VAR, t, stride_var, divisor, eps):
 
 
 @triton.jit
+def _token_rstd(X, stride_h, heads, VAR, t, stride_var, divisor, eps, HB: tl.constexpr, D: tl.constexpr,
+                D_PAD: tl.constexpr, N_BLOCKS: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr):
+    """A full-width norm's 1 / rms for token t: from the given mean of squares (tensor
+    parallelism) or summed over the rows; 0.0 (unused) for a per-head norm."""
+    rstd = 0.0
+    if HAS_VARIANCE:
+        rstd = _given_rstd(VAR, t, stride_var, divisor, eps)
+    elif FULL_WIDTH:
+        rstd = _full_width_rstd(X, stride_h, heads, eps, HB, D, D_PAD, N_BLOCKS)
+    return rstd
+
+
+@triton.jit
 def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
                D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, FULL_WIDTH: tl.constexpr,
                OUT_DTYPE: tl.constexpr):
@@ -149,11 +162,8 @@ def _gqa_prologue_kernel(
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
             X = Q + t * stride_qt
-            full_rstd = 0.0
-            if HAS_VARIANCE:
-                full_rstd = _given_rstd(Q_VAR, t, stride_qvar, variance_divisor, eps)
-            elif FULL_WIDTH:
-                full_rstd = _full_width_rstd(X, stride_qh, heads, eps, HB_Q, D, D_PAD, Q_BLOCKS)
+            full_rstd = _token_rstd(X, stride_qh, heads, Q_VAR, t, stride_qvar, variance_divisor, eps,
+                                    HB_Q, D, D_PAD, Q_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
             for block in range(Q_BLOCKS):
                 h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
                 q = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
@@ -163,11 +173,8 @@ def _gqa_prologue_kernel(
         else:
             X = K + t * stride_kt
             slot = tl.load(SLOTS + t).to(tl.int64)
-            full_rstd = 0.0
-            if HAS_VARIANCE:
-                full_rstd = _given_rstd(K_VAR, t, stride_kvar, variance_divisor, eps)
-            elif FULL_WIDTH:
-                full_rstd = _full_width_rstd(X, stride_kh, kv_heads, eps, HB_KV, D, D_PAD, KV_BLOCKS)
+            full_rstd = _token_rstd(X, stride_kh, kv_heads, K_VAR, t, stride_kvar, variance_divisor, eps,
+                                    HB_KV, D, D_PAD, KV_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
             for block in range(KV_BLOCKS):
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
                 k = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,

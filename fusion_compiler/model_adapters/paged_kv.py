@@ -49,6 +49,18 @@ class AttentionConfig:
         return cache_dtype_of(self.kv_cache_dtype)
 
 
+def load_hf_attention(ours, hf_attention):
+    """``ours`` (a reference Attention) with HF's q/k/v projections stacked into its qkv_proj
+    and its q/k norm and o_proj weights, in HF's dtype and on its device."""
+    ours = ours.to(hf_attention.q_proj.weight.dtype)
+    with torch.no_grad():
+        ours.qkv_proj.weight.copy_(torch.cat([hf_attention.q_proj.weight, hf_attention.k_proj.weight, hf_attention.v_proj.weight]))
+        ours.q_norm_weight.copy_(hf_attention.q_norm.weight)
+        ours.k_norm_weight.copy_(hf_attention.k_norm.weight)
+        ours.o_proj.weight.copy_(hf_attention.o_proj.weight)
+    return ours.to(hf_attention.q_proj.weight.device)
+
+
 def cache_dtype_of(kv_cache_dtype: str) -> torch.dtype:
     """The torch dtype of a kv-cache dtype name: "bf16" or "fp8" (e4m3)."""
     if kv_cache_dtype not in ("bf16", "fp8"):

@@ -229,13 +229,10 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             facts["graph_eps"] = add.args[1]
         elif getattr(reduced, "target", None) is aten.sum.dim_IntList:
             facts["l2_eps"].add(add.args[1])
-    facts["states_are_one_node"] = inputs.get("conv_state") is inputs.get("recurrent_state")
     return facts
 
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
-    if values.get("states_are_one_node"):
-        return "the conv and recurrent state writes bound to the same node: not one GDN site"
     eps = values.get("eps")
     if not isinstance(eps, (int, float)):
         return f"the gated norm's eps is a tensor, not a Python number (got {eps}); the fused op takes it as a constant"
@@ -417,26 +414,24 @@ def _is_silu(node) -> bool:
     return _target(denom) is aten.add.Tensor and _target(denom.args[0]) is aten.exp.default
 
 
-def _downstream(node, want, depth: int):
+def _walk(node, want, depth: int, neighbours):
+    """The first node within ``depth`` steps of ``node`` (breadth first) that ``want`` accepts."""
     frontier, seen = [node], {node}
     for _ in range(depth):
         for n in frontier:
             if want(n):
                 return n
-        frontier = [u for n in frontier for u in n.users if u not in seen]
+        frontier = [m for n in frontier for m in neighbours(n) if m not in seen]
         seen.update(frontier)
     return None
+
+
+def _downstream(node, want, depth: int):
+    return _walk(node, want, depth, lambda n: n.users)
 
 
 def _upstream(node, want, depth: int):
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        for n in frontier:
-            if want(n):
-                return n
-        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen]
-        seen.update(frontier)
-    return None
+    return _walk(node, want, depth, lambda n: n.all_input_nodes)
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
@@ -508,4 +503,5 @@ FAMILY = Family(
     is_site=is_site,
     explain=explain,
     source_modules=(__name__, gdn_ops.__name__),
+    distinct_inputs=(("conv_state", "recurrent_state"),),
 )

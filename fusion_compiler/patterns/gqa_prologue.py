@@ -341,8 +341,6 @@ def _is_weight_cast(node) -> bool:
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     p = variant.params
-    if values.get("q_is_k"):
-        return "q and k bound to the same node (k's rotation matched as q's): not a q/k pair"
     for name in ("eps", "k_scale", "v_scale"):
         if name in values and not isinstance(values[name], (int, float)):
             return f"{name} is a tensor, not a Python number (got {values[name]}); the fused op takes it as a constant"
@@ -566,8 +564,6 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
 def _facts_with_angles(nodes, inputs):
     facts = facts_of(nodes, inputs)
     facts["angles_duplicated"] = all(mla_prologue._duplicated_halves(inputs.get(n)) for n in ("cos", "sin"))
-    # q's and k's subgraphs have the same shape: the matcher can bind both to k's nodes.
-    facts["q_is_k"] = inputs.get("q") is inputs.get("k")
     if "q_var" in inputs:
         facts["variances"] = _variance_facts(inputs)
     return facts
@@ -585,4 +581,5 @@ FAMILY = Family(
     is_site=is_site,
     explain=explain,
     source_modules=(__name__, gqa_ops.__name__),
+    distinct_inputs=(("q", "k"),),  # q's and k's paths have the same shape
 )

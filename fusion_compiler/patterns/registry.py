@@ -54,6 +54,9 @@ class Family:
         wildcards (slice steps that tell interleaved RoPE from NeoX, split sizes, the dtype
         a quant casts to). Read from the matched graph nodes.
     replacement: (variant, lowering) -> replacement function with the search's signature.
+    distinct_inputs: pairs of search inputs that must bind different graph nodes. Inductor's
+        multi-output matcher can bind two structurally identical sub-patterns (q's and k's
+        paths, two state writes) to the same nodes; such a match is declined with a reason.
     """
 
     name: str
@@ -67,6 +70,7 @@ class Family:
     is_site: Callable[[torch.fx.Node], bool]
     explain: Callable[[torch.fx.Node], tuple[torch.fx.Node, str]]
     source_modules: tuple[str, ...] = ()
+    distinct_inputs: tuple[tuple[str, str], ...] = ()
 
 
 class MatchRecorder:
@@ -104,13 +108,21 @@ def _match_values(family: Family, match: _compat.Match) -> dict[str, Any]:
     return out
 
 
+def _same_node_reason(family: Family, match: _compat.Match) -> Reason:
+    for a, b in family.distinct_inputs:
+        node = match.kwargs.get(a)
+        if isinstance(node, torch.fx.Node) and node is match.kwargs.get(b):
+            return f"{a} and {b} bound to the same node {node.name}: one path matched as both"
+    return None
+
+
 def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool]:
     def check(match: _compat.Match) -> bool:
         recorder = _active[-1] if _active else None
         values = _match_values(family, match)
         # A node left in `values` is an input the guard cannot reason about statically
         # (e.g. eps computed by a tensor op): the guard sees it and declines with a reason.
-        reason = family.guard(values, variant)
+        reason = _same_node_reason(family, match) or family.guard(values, variant)
         anchor = recorder.anchor_of(match) if recorder else None
         if reason is not None:
             if recorder is not None and anchor is not None:

@@ -162,13 +162,7 @@ def shard(full: Attention, tp_rank: int, tp_size: int, group=None) -> Attention:
 
 def from_hf(hf_attention: nn.Module, cfg: ReferenceConfig) -> Attention:
     """Our attention with the weights of HF's MiniMaxM2Attention (q/k/v projections fused)."""
-    ours = Attention(cfg).to(hf_attention.q_proj.weight.dtype)
-    with torch.no_grad():
-        ours.qkv_proj.weight.copy_(torch.cat([hf_attention.q_proj.weight, hf_attention.k_proj.weight, hf_attention.v_proj.weight]))
-        ours.q_norm_weight.copy_(hf_attention.q_norm.weight)
-        ours.k_norm_weight.copy_(hf_attention.k_norm.weight)
-        ours.o_proj.weight.copy_(hf_attention.o_proj.weight)
-    return ours.to(hf_attention.q_proj.weight.device)
+    return paged_kv.load_hf_attention(Attention(cfg), hf_attention)
 
 
 def config_of(hf_config, **overrides) -> ReferenceConfig:

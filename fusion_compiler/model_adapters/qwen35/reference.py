@@ -108,13 +108,7 @@ def from_hf(hf_attention: nn.Module, cfg: ReferenceConfig) -> Attention:
     o_proj copied. HF's ``attention_bias`` must be False (the default; the real model has none)."""
     if any(getattr(hf_attention, name).bias is not None for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         raise ValueError("HF attention has projection biases (attention_bias=True); the reference has none")
-    ours = Attention(cfg).to(hf_attention.q_proj.weight.dtype)
-    with torch.no_grad():
-        ours.qkv_proj.weight.copy_(torch.cat([hf_attention.q_proj.weight, hf_attention.k_proj.weight, hf_attention.v_proj.weight]))
-        ours.q_norm_weight.copy_(hf_attention.q_norm.weight)
-        ours.k_norm_weight.copy_(hf_attention.k_norm.weight)
-        ours.o_proj.weight.copy_(hf_attention.o_proj.weight)
-    return ours.to(hf_attention.q_proj.weight.device)
+    return paged_kv.load_hf_attention(Attention(cfg), hf_attention)
 
 
 def config_of(hf_text_config, **overrides) -> ReferenceConfig:
