@@ -12,7 +12,9 @@ from .. import _compat
 from ..config import FusionConfig
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
+from ..patterns import registry as registry_module
 from . import canonicalize as canonicalize_module
+from . import horizontal as horizontal_module
 from . import rope_gather as rope_gather_module
 from . import tp_variance as tp_variance_module
 from ..module_paths import module_path
@@ -120,7 +122,9 @@ class FusionPass(_compat.CustomGraphPass):
 def pass_uuid(config: FusionConfig) -> str:
     digest = hashlib.sha256()
     digest.update(config.cache_key().encode())
-    for module in (canonicalize_module, rope_gather_module, tp_variance_module):  # rewrites outside the families
+    # What decides the rewritten graph besides the families' own sources: the matching contract
+    # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
+    for module in (registry_module, canonicalize_module, horizontal_module, rope_gather_module, tp_variance_module):
         digest.update(inspect.getsource(module).encode())
     for name in config.enabled_families():
         family = FAMILIES[name]
