@@ -41,6 +41,7 @@ device-to-device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import traceback
 import dataclasses
 import os
 import sys
@@ -54,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
+from fusion_compiler.kernels import gdn_decode as gdn_kernel  # noqa: E402
 from fusion_compiler.model_adapters.qwen35 import gdn_reference as ref  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
@@ -131,7 +133,9 @@ class FlaCore:
         # [N, conv_dim], cache [>= N, conv_dim, K] updated in place at rows 0..N-1.
         x, _ = self._conv(mixed_qkv, conv_state, weight=layer.conv_weight, activation="silu")
         q, k, v = x.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        q, k, v = q.reshape(n, 1, hk, dk), k.reshape(n, 1, hk, dk), v.reshape(n, 1, hv, dv)  # copies
+        # fla's kernel takes no strides: q / k / v must be contiguous rows (3 copies; a reshape
+        # of the split alone is a view with the conv's row stride when N > 1).
+        q, k, v = (x.contiguous().reshape(n, 1, heads, d) for x, heads, d in ((q, hk, dk), (k, hk, dk), (v, hv, dv)))
         o = torch.empty_like(v)
         nv = -(-dv // self._bv)
         self._recurrent[(nv * n * hv,)](
@@ -238,6 +242,8 @@ def check_row(variants, sets, row, label_prefix: str) -> None:
         except Exception as error:  # noqa: BLE001 - a variant that fails is a result
             row[f"{label}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             print(f"{label_prefix}: {label} failed: {row[f'{label}_error']}", flush=True)
+            if DEVICE == "cpu":
+                traceback.print_exc()
             del variants[label]
     for label in ("ours", "inductor", "fla"):
         if label in outputs and "eager" in outputs:
@@ -295,8 +301,8 @@ def main() -> None:
         rows.append(row)
     facts = {"device": "cpu (smoke)", "torch": torch.__version__} if args.smoke else common.device_facts()
     if args.out:
-        common.write_json(args.out, {"device": facts, "copy_bandwidth_gbs": bandwidth, "config": dataclasses.asdict(cfg),
-                                     "eager": "model_adapters/qwen35/gdn_reference.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
+        common.write_json(args.out, {"device": facts, "kernel": gdn_kernel.KERNEL_VERSION, "copy_bandwidth_gbs": bandwidth,
+                                     "config": dataclasses.asdict(cfg), "eager": "model_adapters/qwen35/gdn_reference.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,33 +13,43 @@ Qwen3.5's shapes (bf16 activations, HF's conv state width 4):
 
 so ~8.2 MiB per sequence, ~2.8 us at 3 TB/s for one sequence if bandwidth-bound.
 
-Grid (T, Hv): one program per (sequence, value head). It holds the head's whole [Dk, Dv] state
-tile in registers (128 x 128 fp32 = 64 KiB: 64 registers a thread at 8 warps), so the state is
-loaded once, decayed, read for kv_mem, updated and stored once, and the output row o[Dv] is
-complete in the program, which the gated RMSNorm needs (a norm over all Dv of the head). The
-state load is issued first so the small work below overlaps it. Splitting Dv over programs
-(vLLM's BV blocks) would give more programs at T = 1 but needs a second pass for the norm: a
-second launch, or a cross-program reduction. At T = 1 the grid is 64 programs on the H200's
-132 SMs; each streams 128 KiB with all its loads in flight at once, which should be near the
-per-SM bandwidth needed (64 x 128 KiB / 2.8 us ~ 46 GB/s per SM); not yet measured.
+Grid (T, Hv, split): each value head's Dv state columns are spread over ``split`` programs,
+each updating ``chunks`` blocks of ``block_v`` columns in turn ([Dk, block_v] fp32 in
+registers). The columns are independent in the delta rule (kv_mem, the update and o are all
+per column given q, k, beta, g), so each block is loaded once, decayed, read for kv_mem,
+updated, stored once, and its o columns are final. The first block's loads are issued before
+the q/k conv and gates (the program's other work overlaps them); each later block's right
+after the previous block's stores. ``tiling`` picks the split from the H200 sweep
+(bench/gdn_tiling_sweep.py; bench/NOTES.md): one program per head looping over 32- or 64-column
+blocks at 5+ sequences (68% of the copy bandwidth on the state bytes at 256, fla's three
+kernels 62%), and a head split over 4 programs at 1-2 sequences, where 64 programs would leave
+half of the 132 SMs idle. One [Dk, Dv] tile per program (gdn_decode-1) ran at 38%: 64 state
+registers a thread at 8 warps left too few programs resident to keep the loads in flight.
+
+The gated RMSNorm needs the head's whole o row. One block per row: in registers. Otherwise each
+block's o goes to OUT (exact: OUT has o's dtype, the reference's rounding point) and the program
+that finishes the row reads it back (``.cg``, from L2) and normalises it: the head's only
+program after a bar.sync, or with split > 1 the last of its programs to arrive on a per-(row,
+head) counter (bar.sync, then a gpu-scope acq_rel ``atomic_add``; the release orders every
+program's o stores before the ticket, the acquire the reader's loads after it).
 
 Each program recomputes the conv (K taps, SiLU) of the channels it needs: Dk q channels and
-Dk k channels of its key head h // ratio, Dv v channels of its own head, from the conv state
+Dk k channels of its key head h // ratio, and the v channels of its blocks, from the conv state
 window plus the new column, in the reference's dtypes (window rounded to the conv weight's dtype,
 fp32 sum rounded once, SiLU rounded to the weight's dtype, then to the activation dtype). The
-`ratio` programs of a key head each recompute its q/k conv (cheap: 2 x Dk x K values).
+``ratio * split`` programs of a key head each recompute its q/k conv (cheap: 2 x Dk x K values).
 
 Conv state, written exactly once per channel, in place: the v channels by their only reader
 (after a barrier: the shifted tile is stored over columns other threads of the program load);
-the q/k channels of key head kh are read by `ratio` programs, so the one that arrives last on a
-per-(row, key head) counter writes them. Every reader loads, then ``debug_barrier`` (bar.sync)
-and a gpu-scope acq_rel ``atomic_add``; the program that draws ticket ratio - 1 knows every
-other reader's loads are done and stores the shifted window, then resets the counter to zero,
-so counters stay zero between launches (moe_route's completion counter does the same; the
-per-device buffer must first be sized outside CUDA-graph capture, see ``_counters``). With
-ratio 1 there is no counter. Letting any reader write would race with the others' loads;
-vLLM's answer is a separate conv-update launch before the recurrent kernel, one launch more. Padding rows (slot -1) read and write no state and no counter, and
-store a zero output row.
+the q/k channels of key head kh are read by ``ratio * split`` programs, so the one that arrives
+last on a per-(row, key head) counter writes them. Every reader loads, then ``debug_barrier``
+(bar.sync) and a gpu-scope acq_rel ``atomic_add``; the program that draws the last ticket knows
+every other reader's loads are done and stores the shifted window, then resets the counter to
+zero, so counters stay zero between launches (moe_route's completion counter does the same; the
+per-device buffer must first be sized outside CUDA-graph capture, see ``_counters``). With one
+reader there is no counter. Letting any reader write would race with the others' loads;
+vLLM's answer is a separate conv-update launch before the recurrent kernel, one launch more.
+Padding rows (slot -1) read and write no state and no counter, and store a zero output row.
 
 Math in fp32: sigmoid, silu and softplus as torch writes them (``x / (1 + exp(-x))``,
 ``log1p(exp(x))`` below 20, with the log1p done in the accurate ``log(u) * e / (u - 1)`` form), the
@@ -47,12 +57,13 @@ divisions correctly rounded (``div_rn``: plain ``/`` is approximate on the GPU).
 sum in tree order, not torch's, and ``exp`` / ``rsqrt`` may differ in the last ulp on the GPU, so
 states agree to a few fp32 ulp and outputs to one bf16 ulp.
 
-Block sizes: Dk, Dv, K, W padded to powers of two; 8 warps for a 128 x 128 state (register
-count: 64 state values a thread), 4 below; not tuned. This module imports only torch and
-triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
+Block sizes: Dk, K, W padded to powers of two, block_v a power of two. This module imports only
+torch and triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU tensors.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -60,7 +71,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-1"
+KERNEL_VERSION = "gdn_decode-4"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -80,14 +91,14 @@ def _softplus(x):
 
 
 @triton.jit
-def _conv_channels(X_ROW, STATE, W_PTR, chan0, live, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
-                   C: tl.constexpr, C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
+                   C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                    W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr):
-    """Conv + SiLU of channels [chan0, chan0 + C) of one sequence: returns (the activations in
-    fp32, rounded to ACT_DTYPE, [C_PAD]; the shifted conv-state window in fp32 [C_PAD, W_PAD]).
+    """Conv + SiLU of channels [chan0, chan0 + count) of one sequence: returns (the activations
+    in fp32, rounded to ACT_DTYPE, [C_PAD]; the shifted conv-state window in fp32 [C_PAD, W_PAD]).
     ``STATE`` points at the sequence's conv-state slot. Loads only; the caller stores."""
     c = tl.arange(0, C_PAD)
-    cmask = (c < C) & live
+    cmask = (c < count) & live
     chan = (chan0 + c)[:, None]
     x = round_trip(upcast(tl.load(X_ROW + chan0 + c, mask=cmask, other=0.0)), CONV_DTYPE)
     i = tl.arange(0, K_PAD)[None, :]
@@ -107,12 +118,41 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, live, stride_cs_c, stride_cs_w, s
 
 
 @triton.jit
-def _store_window(STATE, window, chan0, mask, stride_cs_c, stride_cs_w,
-                  C: tl.constexpr, C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr):
+def _store_window(STATE, window, chan0, count, mask, stride_cs_c, stride_cs_w,
+                  C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr):
     c = tl.arange(0, C_PAD)[:, None]
     j = tl.arange(0, W_PAD)[None, :]
     tl.store(STATE + (chan0 + c) * stride_cs_c + j * stride_cs_w, downcast(window, STATE.dtype.element_ty),
-             mask=mask & (c < C) & (j < W))
+             mask=mask & (c < count) & (j < W))
+
+
+@triton.jit
+def _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, valid, stride_cs_c, stride_cs_w, stride_w_c,
+                 stride_w_k, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
+                 K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr,
+                 ACT: tl.constexpr):
+    """One block's loads: the state columns [v0, v0 + BV) of the head [DK_PAD, BV], and the
+    conv + SiLU of the same v channels (activations, shifted window). All masked off unless valid."""
+    vv = v0 + tl.arange(0, BV)[None, :]
+    state = tl.load(s_row + vv, mask=(kk < DK) & (vv < DV) & valid, other=0.0)
+    v, v_win = _conv_channels(x_row, cs, CONV_W, v_chan_base + v0, tl.minimum(DV - v0, BV), valid, stride_cs_c,
+                              stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+    return state, v, v_win
+
+
+@triton.jit
+def _last_arrival(COUNTER, live, ARRIVALS: tl.constexpr):
+    """Whether this program is the last of ARRIVALS to arrive on COUNTER (live programs only).
+    The caller has done its own loads / stores and a bar.sync; the gpu-scope acq_rel atomic
+    orders them before the ticket, and the last arriver's later accesses after every other
+    arrival's. The caller resets the counter to zero (masked by the result) when ARRIVALS > 1."""
+    if ARRIVALS == 1:
+        last = live
+    else:
+        ticket = tl.atomic_add(COUNTER, 1, mask=live, sem="acq_rel", scope="gpu")
+        last = live & (ticket == ARRIVALS - 1)
+        tl.debug_barrier()
+    return last
 
 
 @triton.jit
@@ -122,90 +162,134 @@ def _l2norm(x, eps):
 
 @triton.jit
 def _gdn_decode_kernel(
-    MIXED, Z, B, A, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV_STATE, REC_STATE, SLOTS, OUT, COUNTERS,
+    MIXED, Z, B, A, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV_STATE, REC_STATE, SLOTS, OUT, CONV_COUNTERS,
+    NORM_COUNTERS,
     stride_x, stride_z, stride_b, stride_a, stride_o, stride_w_c, stride_w_k,
     stride_cs_s, stride_cs_c, stride_cs_w, stride_rs_s, stride_rs_h, stride_rs_k,
-    key_heads, eps, qk_eps, sqrt_dk,
+    key_heads, value_heads, eps, qk_eps, sqrt_dk,
     RATIO: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    BV: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
     ACT: tl.constexpr, CONV_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    part = tl.program_id(2)  # which of the head's SPLIT programs: value columns [part * CHUNKS * BV, ...)
     kh = h // RATIO
     slot = tl.load(SLOTS + t).to(tl.int64)
     live = slot >= 0
     slot = tl.maximum(slot, 0)
-
-    # The state tile first: the rest of the program overlaps its load.
     kk = tl.arange(0, DK_PAD)[:, None]
-    vv = tl.arange(0, DV_PAD)[None, :]
-    s_mask = (kk < DK) & (vv < DV) & live
-    s_ptrs = REC_STATE + slot * stride_rs_s + h * stride_rs_h + kk * stride_rs_k + vv
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0)
-
-    # Conv of this program's q, k and v channels ([q | k | v] along conv_dim).
+    s_row = REC_STATE + slot * stride_rs_s + h * stride_rs_h + kk * stride_rs_k
     key_width = key_heads * DK
     x_row = MIXED + t * stride_x
     cs = CONV_STATE + slot * stride_cs_s
-    q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, live, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
-                              DK, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
-    k, k_win = _conv_channels(x_row, cs, CONV_W, key_width + kh * DK, live, stride_cs_c, stride_cs_w, stride_w_c,
-                              stride_w_k, DK, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
-    v, v_win = _conv_channels(x_row, cs, CONV_W, 2 * key_width + h * DV, live, stride_cs_c, stride_cs_w,
-                              stride_w_c, stride_w_k, DV, DV_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
 
-    # Every conv-state load of this program is done before any store to it (here or, through
-    # the counter's release, in the program that writes this key head's q/k channels).
-    tl.debug_barrier()
-    _store_window(cs, v_win, 2 * key_width + h * DV, live, stride_cs_c, stride_cs_w, DV, DV_PAD, W, W_PAD)
-    if RATIO == 1:
-        writer = live
-    else:
-        ticket = tl.atomic_add(COUNTERS + t * key_heads + kh, 1, mask=live, sem="acq_rel", scope="gpu")
-        writer = live & (ticket == RATIO - 1)
-        tl.debug_barrier()
-    _store_window(cs, q_win, kh * DK, writer, stride_cs_c, stride_cs_w, DK, DK_PAD, W, W_PAD)
-    _store_window(cs, k_win, key_width + kh * DK, writer, stride_cs_c, stride_cs_w, DK, DK_PAD, W, W_PAD)
-    if RATIO > 1:
-        tl.store(COUNTERS + t * key_heads + kh, 0, mask=writer)
+    # The first value block's loads (state and v conv) and the gate z are issued first: the q/k
+    # work below overlaps them.
+    v_chan_base = 2 * key_width + h * DV  # this head's v channels along conv_dim
+    v0 = part * CHUNKS * BV
+    state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live, stride_cs_c, stride_cs_w,
+                                   stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+    d = tl.arange(0, DV_PAD)
+    z = upcast(tl.load(Z + t * stride_z + h * DV + d, mask=(d < DV) & live, other=0.0))
+
+    # q and k of this program's key head: conv ([q | k | v] along conv_dim), l2norm, q's scale.
+    q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, DK, live, stride_cs_c, stride_cs_w, stride_w_c,
+                              stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+    k, k_win = _conv_channels(x_row, cs, CONV_W, key_width + kh * DK, DK, live, stride_cs_c, stride_cs_w,
+                              stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+    # The RATIO * SPLIT programs of a key head all read its q/k channels: the last to arrive on
+    # the per-(row, key head) counter (every reader loads, bar.sync, then a gpu-scope acq_rel
+    # atomic) stores the shifted windows, after every other reader's loads.
+    readers: tl.constexpr = RATIO * SPLIT
+    tl.debug_barrier()  # this program's own loads of the windows (any thread) before any store
+    writer = _last_arrival(CONV_COUNTERS + t * key_heads + kh, live, readers)
+    _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
+    _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
+    if readers > 1:
+        tl.store(CONV_COUNTERS + t * key_heads + kh, 0, mask=writer)
+    q = tl.math.div_rn(_l2norm(q, qk_eps), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
+    k = _l2norm(k, qk_eps)
 
     # Gates: beta rounded to b's dtype (HF's b.sigmoid()), g in fp32.
     b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
     beta = round_trip(tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b)), B.dtype.element_ty)
     a = upcast(tl.load(A + t * stride_a + h, mask=live, other=0.0))
     a_log = upcast(tl.load(A_LOG + h))
-    g = -tl.exp(a_log) * _softplus(a + upcast(tl.load(DT_BIAS + h)))
+    decay = tl.exp(-tl.exp(a_log) * _softplus(a + upcast(tl.load(DT_BIAS + h))))
 
-    q = tl.math.div_rn(_l2norm(q, qk_eps), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
-    k = _l2norm(k, qk_eps)
+    # Value columns in CHUNKS blocks of BV; each block's loads are issued before the gates'
+    # math (the first) or right after the previous block's stores. Columns are independent in
+    # the delta rule: each block's v conv, state update (HF's order) and o are complete alone.
+    o_row = OUT + t * stride_o + h * DV
+    o = tl.zeros([BV], dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        vv = v0 + tl.arange(0, BV)
+        state = state * decay
+        kv_mem = tl.sum(state * k[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = round_trip(tl.sum(state * q[:, None], axis=0), ACT)
+        tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+        tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
+        _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w, BV,
+                      W, W_PAD)
+        if CHUNKS * SPLIT > 1:  # o of a split row goes through OUT (exact: OUT has o's dtype)
+            tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
+        v0 = v0 + BV
+        state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live & (c + 1 < CHUNKS),
+                                       stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W,
+                                       W_PAD, CONV_DTYPE, ACT)
 
-    # Delta rule on S[key, value], in HF's order.
-    state = state * tl.exp(g)
-    kv_mem = tl.sum(state * k[:, None], axis=0)
-    delta = (v - kv_mem) * beta
-    state = state + k[:, None] * delta[None, :]
-    o = round_trip(tl.sum(state * q[:, None], axis=0), ACT)
-    tl.store(s_ptrs, state, mask=s_mask)
-
-    # Gated RMSNorm over the head's Dv values.
-    d = tl.arange(0, DV_PAD)
+    # Gated RMSNorm over the head's DV values: in registers when one block holds the row,
+    # else read back from OUT by the program that finishes the row (the last of SPLIT to arrive).
     dmask = d < DV
+    if CHUNKS * SPLIT == 1:  # BV == DV_PAD
+        row_mask = dmask  # padding rows included: their zero row is stored below
+    else:
+        tl.debug_barrier()
+        normer = _last_arrival(NORM_COUNTERS + t * value_heads + h, live, SPLIT)
+        if SPLIT > 1:
+            tl.store(NORM_COUNTERS + t * value_heads + h, 0, mask=normer)
+        o = upcast(tl.load(o_row + d, mask=dmask & normer, other=0.0, cache_modifier=".cg"))
+        row_mask = dmask & normer  # padding rows: their zero blocks were stored above
     rstd = tl.math.rsqrt(mean_from_sum(tl.sum(o * o, axis=0), DV) + eps)
     normed = round_trip(o * rstd, ACT)
     w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
     y = round_trip(w * normed, NORM_DTYPE)
-    z = upcast(tl.load(Z + t * stride_z + h * DV + d, mask=dmask & live, other=0.0))
     y = tl.where(live, y * _silu(z), 0.0)
-    tl.store(OUT + t * stride_o + h * DV + d, downcast(y, OUT.dtype.element_ty), mask=dmask)
+    tl.store(o_row + d, downcast(y, OUT.dtype.element_ty), mask=row_mask)
 
 
-def _num_warps(key_dim: int, value_dim: int) -> int:
-    # Registers, not timing: a 128 x 128 fp32 tile is 64 values a thread at 8 warps.
-    return 8 if key_dim * value_dim >= 128 * 128 else 4
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a value head's DV columns are spread: ``split`` programs per head, each updating
+    ``chunks`` blocks of ``block_v`` columns in turn."""
+
+    block_v: int
+    chunks: int = 1
+    split: int = 1
+    num_warps: int = 4
 
 
-# Key-head counters per device. The last arriving program resets its counter to zero, so a
+def tiling(tokens: int, key_dim: int, value_dim: int, value_heads: int) -> Tiling:
+    """The H200 sweep's choice (bench/gdn_tiling_sweep.py, gdn_decode-3, bench/NOTES.md): 4
+    warps; one program per head looping over 64-column blocks from 16 sequences up (70% of the
+    copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while there
+    are fewer heads than ~SMs (1 sequence: 64 programs would leave half the 132 SMs idle), over
+    2 up to 2x that."""
+    block_v = min(triton.next_power_of_2(value_dim), 64 if tokens >= 16 else 32)
+    blocks = triton.cdiv(value_dim, block_v)
+    programs = tokens * value_heads
+    split = 4 if programs <= 128 else 2 if programs <= 256 else 1
+    while blocks % split:
+        split //= 2
+    return Tiling(block_v, chunks=blocks // split, split=split)
+
+
+# Arrival counters per device (key heads' conv windows, then split heads' norms). The last
+# arriving program resets its counter to zero, so a
 # buffer is zeroed once, outside any CUDA-graph capture, and every later launch finds it at zero.
 # A bigger batch allocates a bigger buffer (outside capture only); the old ones are kept, since a
 # captured graph may still point at them. Launches on one device must not overlap in time.
@@ -221,7 +305,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     if counters is None or counters.numel() < size:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"fusion_compiler.gdn_decode: {size} key-head counters are first needed inside CUDA-graph capture; "
+                f"fusion_compiler.gdn_decode: {size} arrival counters are first needed inside CUDA-graph capture; "
                 "run the largest batch once before capturing (the counters must be zeroed outside the graph)"
             )
         if counters is not None:
@@ -231,11 +315,12 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_state,
-                   recurrent_state, state_slots, out, counters=None) -> None:  # fmt: skip
+                   recurrent_state, state_slots, out, counters=None, tiling_override=None) -> None:  # fmt: skip
     """Launch the kernel: writes ``out`` [T, Hv * Dv] and both states in place. Arguments as the
     op's (validated there); mixed_qkv, z, b, a need unit stride along their width, the weights
-    unit stride, recurrent_state unit stride along Dv. ``counters`` (int32, >= T * key_heads,
-    all zero; left zero) defaults to a per-device buffer. No host syncs."""
+    unit stride, recurrent_state unit stride along Dv. ``counters`` (int32, >= T * (key_heads +
+    value_heads), all zero; left zero) defaults to a per-device buffer. ``tiling_override``
+    (a ``Tiling``) replaces ``tiling``'s choice. No host syncs."""
     tokens = mixed_qkv.shape[0]
     if tokens == 0:
         return
@@ -250,24 +335,34 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if counters is None and value_heads > key_heads:
-        counters = _counters(mixed_qkv.device, tokens * key_heads)
+    if out.dtype != mixed_qkv.dtype:
+        raise ValueError(f"out must have mixed_qkv's dtype {mixed_qkv.dtype} (split heads keep o in it), got {out.dtype}")
+    tile = tiling_override or tiling(tokens, key_dim, value_dim, value_heads)
+    if tile.block_v & (tile.block_v - 1) or tile.block_v * tile.chunks * tile.split < value_dim:
+        raise ValueError(f"{tile} does not cover {value_dim} value columns with a power-of-two block")
+    # One block a row needs BV == DV_PAD (the norm's row is the block).
+    tile = dataclasses.replace(tile, block_v=min(tile.block_v, triton.next_power_of_2(value_dim)))
+    if counters is None and (value_heads > key_heads or tile.split > 1):
+        counters = _counters(mixed_qkv.device, tokens * (key_heads + value_heads))
+    conv_counters = counters if counters is not None else state_slots  # unused when every count is 1
+    norm_counters = counters[tokens * key_heads :] if counters is not None else state_slots
     norm_dtype = _TL_DTYPES[torch.promote_types(norm_weight.dtype, mixed_qkv.dtype)]
 
     def _launch():
-        _gdn_decode_kernel[(tokens, value_heads)](
+        _gdn_decode_kernel[(tokens, value_heads, tile.split)](
             mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, state_slots,
-            out, counters if counters is not None else state_slots,
+            out, conv_counters, norm_counters,
             mixed_qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), out.stride(0),
             conv_weight.stride(0), conv_weight.stride(-1),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
-            key_heads, float(eps), float(qk_l2norm_eps), float(key_dim**0.5),
+            key_heads, value_heads, float(eps), float(qk_l2norm_eps), float(key_dim**0.5),
             RATIO=value_heads // key_heads, DK=key_dim, DK_PAD=triton.next_power_of_2(key_dim),
-            DV=value_dim, DV_PAD=triton.next_power_of_2(value_dim),
+            DV=value_dim, DV_PAD=triton.next_power_of_2(value_dim), BV=tile.block_v, CHUNKS=tile.chunks,
+            SPLIT=tile.split,
             K=kernel, K_PAD=triton.next_power_of_2(kernel), W=width, W_PAD=triton.next_power_of_2(width),
             ACT=_TL_DTYPES[mixed_qkv.dtype], CONV_DTYPE=_TL_DTYPES[conv_weight.dtype], NORM_DTYPE=norm_dtype,
-            num_warps=_num_warps(key_dim, value_dim),
+            num_warps=tile.num_warps,
         )
 
     launch_on_device(mixed_qkv, _launch)

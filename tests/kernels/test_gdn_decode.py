@@ -78,12 +78,20 @@ def _make(c):
     ]  # fmt: skip
 
 
-def _step(args, dtype):
+def _tiling(value_dim, block_v, split):
+    """None (the launcher's choice) or ``split`` programs a head looping over block_v columns."""
+    if block_v is None:
+        return None
+    blocks = -(-value_dim // block_v)
+    return K.Tiling(block_v, chunks=-(-blocks // split), split=split, num_warps=2)
+
+
+def _step(args, dtype, tile=None):
     """One step through the reference (on clones) and the kernel; states compared, outputs returned."""
     ref_args = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
     ref = gdn_decode_reference(*ref_args)
     buf, out = poisoned(tuple(ref.shape), dtype)
-    K.gdn_decode_fwd(*args, out)
+    K.gdn_decode_fwd(*args, out, tiling_override=tile)
     assert_guards_untouched(buf)
     assert torch.equal(args[10], ref_args[10]), "conv state"
     assert _state_rel(args[11], ref_args[11]) < 1e-5, "recurrent state"
@@ -98,6 +106,8 @@ def configs(draw):
         kernel=draw(st.sampled_from([3, 4])), extra_width=draw(st.integers(0, 1)),
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])), weight_3d=draw(st.booleans()),
         transposed_conv_state=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+        block_v=draw(st.sampled_from([None, 8, 16, 32])),  # below DV: a head in several blocks
+        split=draw(st.sampled_from([1, 2])),  # programs a head; each loops over its blocks
     )  # fmt: skip
 
 
@@ -106,7 +116,7 @@ def configs(draw):
 def test_kernel_matches_reference(c):
     args = _make(c)
     before = [args[10].clone(), args[11].clone()]
-    out, ref = _step(args, c["dtype"])
+    out, ref = _step(args, c["dtype"], _tiling(c["value_dim"], c["block_v"], c["split"]))
     _assert_out_close(out, ref, c["dtype"])
     slots = args[12].cpu()
     pad = slots < 0
@@ -117,9 +127,11 @@ def test_kernel_matches_reference(c):
     assert torch.equal(args[11][untouched], before[1][untouched]), "recurrent state outside the written slots"
 
 
-def test_qwen_grouping_over_consecutive_steps():
+@pytest.mark.parametrize("block_v, split", [(32, 1), (8, 1), (8, 2), (8, 4)])
+def test_qwen_grouping_over_consecutive_steps(block_v, split):
     """Qwen3.5's 4 value heads per key head (16 / 64 at full size), HF's conv width 4, bf16;
-    kernel and reference each carry their own states through 4 steps."""
+    kernel and reference each carry their own states through 4 steps, with each head in one
+    program and split over 4."""
     c = dict(tokens=3, key_heads=2, ratio=4, key_dim=32, value_dim=32, kernel=4, extra_width=1,
              dtype=torch.bfloat16, weight_3d=True, transposed_conv_state=False, seed=3)  # fmt: skip
     args = _make(c)
@@ -131,13 +143,14 @@ def test_qwen_grouping_over_consecutive_steps():
             args[i].copy_(torch.randn(args[i].shape, generator=gen).to(args[i].dtype))
         ref = gdn_decode_reference(*args[:10], *ref_states, args[12])
         out = torch.full_like(ref, float("nan"))
-        K.gdn_decode_fwd(*args, out)
+        K.gdn_decode_fwd(*args, out, tiling_override=_tiling(32, block_v, split))
         assert relative_error(out, ref) < 1e-2, step
         assert torch.equal(args[10], ref_states[0]), step
         assert _state_rel(args[11], ref_states[1]) < 1e-5, step
 
 
-def test_counters_are_left_at_zero():
+@pytest.mark.parametrize("block_v, split", [(16, 1), (8, 2)])
+def test_counters_are_left_at_zero(block_v, split):
     c = dict(tokens=2, key_heads=2, ratio=2, key_dim=16, value_dim=16, kernel=4, extra_width=1,
              dtype=torch.bfloat16, weight_3d=False, transposed_conv_state=False, seed=5)  # fmt: skip
     args = _make(c)
@@ -145,10 +158,10 @@ def test_counters_are_left_at_zero():
     counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
     ref = gdn_decode_reference(*[x.clone() if isinstance(x, torch.Tensor) else x for x in args])
     out = torch.empty_like(ref)
-    K.gdn_decode_fwd(*args, out, counters=counters)
+    K.gdn_decode_fwd(*args, out, counters=counters, tiling_override=_tiling(16, block_v, split))
     _assert_bf16_close(out, ref, "out")
     assert torch.equal(counters, torch.zeros_like(counters))
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-1"
+    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-4"
