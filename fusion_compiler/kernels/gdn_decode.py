@@ -71,7 +71,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-4"
+KERNEL_VERSION = "gdn_decode-6"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -156,6 +156,16 @@ def _last_arrival(COUNTER, live, ARRIVALS: tl.constexpr):
 
 
 @triton.jit
+def _update_block(state, v, k, q, decay, beta, ACT: tl.constexpr):
+    """The delta rule on one block of state columns, in HF's order: (new state, o rounded to ACT)."""
+    state = state * decay
+    kv_mem = tl.sum(state * k[:, None], axis=0)
+    delta = (v - kv_mem) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, round_trip(tl.sum(state * q[:, None], axis=0), ACT)
+
+
+@triton.jit
 def _l2norm(x, eps):
     return x * tl.math.rsqrt(tl.sum(x * x, axis=0) + eps)
 
@@ -185,14 +195,20 @@ def _gdn_decode_kernel(
     x_row = MIXED + t * stride_x
     cs = CONV_STATE + slot * stride_cs_s
 
-    # The first value block's loads (state and v conv) and the gate z are issued first: the q/k
-    # work below overlaps them.
+    # The first value block's loads (state and v conv), the gates' inputs and the norm weight are
+    # issued first: the q/k work below overlaps them.
     v_chan_base = 2 * key_width + h * DV  # this head's v channels along conv_dim
     v0 = part * CHUNKS * BV
     state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live, stride_cs_c, stride_cs_w,
                                    stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
     d = tl.arange(0, DV_PAD)
-    z = upcast(tl.load(Z + t * stride_z + h * DV + d, mask=(d < DV) & live, other=0.0))
+    dmask = d < DV
+    z = upcast(tl.load(Z + t * stride_z + h * DV + d, mask=dmask & live, other=0.0))
+    norm_w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
+    b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
+    a = upcast(tl.load(A + t * stride_a + h, mask=live, other=0.0))
+    a_log = upcast(tl.load(A_LOG + h))
+    dt_bias = upcast(tl.load(DT_BIAS + h))
 
     # q and k of this program's key head: conv ([q | k | v] along conv_dim), l2norm, q's scale.
     q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, DK, live, stride_cs_c, stride_cs_w, stride_w_c,
@@ -213,38 +229,41 @@ def _gdn_decode_kernel(
     k = _l2norm(k, qk_eps)
 
     # Gates: beta rounded to b's dtype (HF's b.sigmoid()), g in fp32.
-    b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
     beta = round_trip(tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b)), B.dtype.element_ty)
-    a = upcast(tl.load(A + t * stride_a + h, mask=live, other=0.0))
-    a_log = upcast(tl.load(A_LOG + h))
-    decay = tl.exp(-tl.exp(a_log) * _softplus(a + upcast(tl.load(DT_BIAS + h))))
+    decay = tl.exp(-tl.exp(a_log) * _softplus(a + dt_bias))
 
     # Value columns in CHUNKS blocks of BV; each block's loads are issued before the gates'
     # math (the first) or right after the previous block's stores. Columns are independent in
-    # the delta rule: each block's v conv, state update (HF's order) and o are complete alone.
+    # the delta rule: each block's v conv, state update and o are complete alone.
     o_row = OUT + t * stride_o + h * DV
-    o = tl.zeros([BV], dtype=tl.float32)
-    for c in range(0, CHUNKS):
+    one_block_of_split_row: tl.constexpr = CHUNKS == 1 and SPLIT > 1
+    if one_block_of_split_row:
+        # o goes out first and the state only after the norm counter below: that counter's
+        # release then waits for o's stores, not for the state block's.
         vv = v0 + tl.arange(0, BV)
-        state = state * decay
-        kv_mem = tl.sum(state * k[:, None], axis=0)
-        delta = (v - kv_mem) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = round_trip(tl.sum(state * q[:, None], axis=0), ACT)
-        tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+        state, o = _update_block(state, v, k, q, decay, beta, ACT)
+        tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
         tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
         _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w, BV,
                       W, W_PAD)
-        if CHUNKS * SPLIT > 1:  # o of a split row goes through OUT (exact: OUT has o's dtype)
-            tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
-        v0 = v0 + BV
-        state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live & (c + 1 < CHUNKS),
-                                       stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W,
-                                       W_PAD, CONV_DTYPE, ACT)
+    else:
+        o = tl.zeros([BV], dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            vv = v0 + tl.arange(0, BV)
+            state, o = _update_block(state, v, k, q, decay, beta, ACT)
+            tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+            tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
+            _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w,
+                          BV, W, W_PAD)
+            if CHUNKS * SPLIT > 1:  # o of a split row goes through OUT (exact: OUT has o's dtype)
+                tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
+            v0 = v0 + BV
+            state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live & (c + 1 < CHUNKS),
+                                           stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD,
+                                           W, W_PAD, CONV_DTYPE, ACT)
 
     # Gated RMSNorm over the head's DV values: in registers when one block holds the row,
     # else read back from OUT by the program that finishes the row (the last of SPLIT to arrive).
-    dmask = d < DV
     if CHUNKS * SPLIT == 1:  # BV == DV_PAD
         row_mask = dmask  # padding rows included: their zero row is stored below
     else:
@@ -252,12 +271,13 @@ def _gdn_decode_kernel(
         normer = _last_arrival(NORM_COUNTERS + t * value_heads + h, live, SPLIT)
         if SPLIT > 1:
             tl.store(NORM_COUNTERS + t * value_heads + h, 0, mask=normer)
+        if one_block_of_split_row:
+            tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
         o = upcast(tl.load(o_row + d, mask=dmask & normer, other=0.0, cache_modifier=".cg"))
         row_mask = dmask & normer  # padding rows: their zero blocks were stored above
     rstd = tl.math.rsqrt(mean_from_sum(tl.sum(o * o, axis=0), DV) + eps)
     normed = round_trip(o * rstd, ACT)
-    w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
-    y = round_trip(w * normed, NORM_DTYPE)
+    y = round_trip(norm_w * normed, NORM_DTYPE)
     y = tl.where(live, y * _silu(z), 0.0)
     tl.store(o_row + d, downcast(y, OUT.dtype.element_ty), mask=row_mask)
 
