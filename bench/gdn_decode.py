@@ -26,6 +26,9 @@ has no state slots; tests/patterns/test_gdn.py covers HF's decode path).
               back, so it is compared slot for slot with eager.
     ours      torch.compile with the fusion backend, strict, one ``gdn`` site expected
               (lowering "triton": the one-kernel op ``fusion_compiler::gdn_decode``).
+    ours_fla  the same with the gdn family's lowering "fla" (``fusion_compiler::gdn_decode_fla``:
+              fla's three kernels behind the op, the state rows gathered at the slots and
+              scattered back around them).
 
 Inputs (the projections' outputs and both states) are random, fresh per rotation; the
 projections are not timed. Every variant is timed as CUDA-graph replays in the same run;
@@ -228,6 +231,11 @@ def build_variants(region, cfg, tokens: int, fla_reason: str | None):
     variants = {"eager": region, "inductor": torch.compile(region), "ours": torch.compile(region, backend=backend)}
     if fla_reason is None:
         variants["fla"] = FlaCore(region.linear_attn)
+        # The gdn family's lowering "fla": the same site, fla's kernels behind our op (slots
+        # gathered and scattered around them, kernels/gdn_fla.py).
+        fla_config = fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}, families={"gdn": "fla"})
+        fla_backend = fc.FusionBackend(fla_config)
+        variants["ours_fla"] = torch.compile(region, backend=fla_backend)
     return variants, backend
 
 
@@ -245,7 +253,7 @@ def check_row(variants, sets, row, label_prefix: str) -> None:
             if DEVICE == "cpu":
                 traceback.print_exc()
             del variants[label]
-    for label in ("ours", "inductor", "fla"):
+    for label in ("ours", "inductor", "fla", "ours_fla"):
         if label in outputs and "eager" in outputs:
             row[f"{label}_vs_eager"] = compare(*outputs[label], *outputs["eager"])
 
@@ -295,7 +303,7 @@ def main() -> None:
                    if k.endswith(("_kernels", "_us", "_state_pct_bw")) or k.startswith("speedup")}  # fmt: skip
         print(f"T={tokens:4d} {summary}", flush=True)
         print(f"   fused sites: {backend.report.per_variant()}", flush=True)
-        for label in ("ours", "inductor", "fla"):
+        for label in ("ours", "inductor", "fla", "ours_fla"):
             if f"{label}_vs_eager" in row:
                 print(f"   {label} vs eager: { {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row[f'{label}_vs_eager'].items()} }", flush=True)  # fmt: skip
         rows.append(row)

@@ -18,6 +18,14 @@ LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor
 fuses itself; off: the family does not run (its sites are not reported either)."""
 
+FAMILY_LOWERINGS: Mapping[str, tuple[str, ...]] = MappingProxyType({"gdn": ("fla",)})
+"""Lowerings only some families have, on top of LOWERINGS. gdn's "fla": the site's op on
+fla-core's kernels (kernels/gdn_fla.py; needs ``pip install fla-core``)."""
+
+
+def lowerings_of(family: str) -> tuple[str, ...]:
+    return LOWERINGS + FAMILY_LOWERINGS.get(family, ())
+
 
 def _frozen(mapping: Mapping | None) -> Mapping:
     return MappingProxyType(dict(mapping or {}))
@@ -27,8 +35,8 @@ def _frozen(mapping: Mapping | None) -> Mapping:
 class FusionConfig:
     """What `fusion_compiler` does to a graph.
 
-    families: family name -> lowering ("triton" | "inductor" | "off"). Families
-        left out take `default_lowering`.
+    families: family name -> lowering ("triton" | "inductor" | "off"; "gdn" also "fla").
+        Families left out take `default_lowering`.
     strict: raise `MissedSiteError` when an expected site (see `expected`) did not fuse.
     verify: on the first call of each compiled graph, run the graph eagerly on cloned
         inputs and raise `VerificationError`, naming the fused sites, if outputs or
@@ -54,10 +62,12 @@ class FusionConfig:
         unknown = sorted(set(self.families) - set(FAMILY_ORDER))
         if unknown:
             raise ValueError(f"unknown fusion families {unknown}; known: {list(FAMILY_ORDER)}")
-        for family, lowering in {**self.families, "<default>": self.default_lowering}.items():
-            if lowering not in LOWERINGS:
+        if self.default_lowering not in LOWERINGS:
+            raise ValueError(f"default_lowering {self.default_lowering!r} is not one of {list(LOWERINGS)}")
+        for family, lowering in self.families.items():
+            if lowering not in lowerings_of(family):
                 raise ValueError(
-                    f"family {family!r}: lowering {lowering!r} is not one of {list(LOWERINGS)}"
+                    f"family {family!r}: lowering {lowering!r} is not one of {list(lowerings_of(family))}"
                 )
         unknown_expected = sorted(set(self.expected) - set(FAMILY_ORDER))
         if unknown_expected:

@@ -4,7 +4,7 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import gdn_decode, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
+    from . import gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["mla_prologue"] = (
@@ -14,6 +14,7 @@ def _register_versions() -> None:
     KERNEL_VERSIONS["gqa_prologue"] = gqa_prologue.KERNEL_VERSION
     KERNEL_VERSIONS["gdn_decode"] = gdn_decode.KERNEL_VERSION
     KERNEL_VERSIONS["gdn"] = gdn_decode.KERNEL_VERSION  # the family's name (patterns/gdn.py)
+    KERNEL_VERSIONS["gdn_fla"] = gdn_fla.KERNEL_VERSION  # the family's lowering "fla"
 
 
 try:
@@ -26,3 +27,4 @@ except ImportError:
     KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"
     KERNEL_VERSIONS["gdn_decode"] = "triton-missing"
     KERNEL_VERSIONS["gdn"] = "triton-missing"
+    KERNEL_VERSIONS["gdn_fla"] = "triton-missing"

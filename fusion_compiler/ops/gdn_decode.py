@@ -51,8 +51,9 @@ a different order than HF's, so fp32 states agree to a few ulp and outputs to bf
 (tests/ops/test_gdn_decode.py measures both).
 
 On CUDA the op runs ``kernels/gdn_decode.py`` (checked under the Triton interpreter and on the
-H200). ``patterns/gdn.py`` emits it (lowering "triton") or ``gdn_decode_canonical``, the same
-math as a functional graph (lowering "inductor").
+H200). ``patterns/gdn.py`` emits it (lowering "triton"), ``gdn_decode_fla`` (the same contract on
+fla-core's kernels, ``kernels/gdn_fla.py``; lowering "fla"), or ``gdn_decode_canonical``, the
+same math as a functional graph (lowering "inductor").
 """
 
 from __future__ import annotations
@@ -268,3 +269,23 @@ def _cuda(*args):
                       device=mixed_qkv.device)  # fmt: skip
     gdn_decode_fwd(*args, out)
     return out
+
+
+@torch.library.custom_op(
+    "fusion_compiler::gdn_decode_fla", mutates_args=("conv_state", "recurrent_state"), schema=_SCHEMA
+)
+def _fla_op(*args):
+    """gdn_decode's contract on fla-core's kernels (the gdn family's lowering "fla",
+    ``kernels/gdn_fla.py``). Like every op here, its CPU body is the reference."""
+    return gdn_decode_reference(*args)
+
+
+_fla_op.register_fake(_fake)
+
+
+@_fla_op.register_kernel("cuda")
+def _fla_cuda(*args):
+    from fusion_compiler.kernels.gdn_fla import gdn_decode_fla_fwd
+
+    dims = _validate(*args)
+    return gdn_decode_fla_fwd(*args, key_heads=dims.key_heads)

@@ -285,12 +285,16 @@ def _op_reason(values: Mapping[str, Any]) -> Reason:
 # ------------------------------------------------------------------------------------------
 
 
+_OPS = {"triton": "gdn_decode", "fla": "gdn_decode_fla"}
+
+
 def _call(lowering: str, **kwargs):
-    """(out, new conv_state, new recurrent_state): the Triton op through ``auto_functionalized``,
-    or the canonical functional decomposition (lowering "inductor")."""
+    """(out, new conv_state, new recurrent_state): the op of the lowering (our kernel, or fla's
+    kernels) through ``auto_functionalized``, or the canonical functional decomposition
+    (lowering "inductor")."""
     if lowering == "inductor":
         return gdn_ops.gdn_decode_canonical(**kwargs)
-    return _compat.auto_functionalized(torch.ops.fusion_compiler.gdn_decode.default, **kwargs)
+    return _compat.auto_functionalized(getattr(torch.ops.fusion_compiler, _OPS[lowering]).default, **kwargs)
 
 
 def _core(lowering, mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
@@ -305,7 +309,7 @@ def _core(lowering, mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight
 
 
 def replacement(variant: Variant, lowering: str):
-    if lowering not in ("triton", "inductor"):
+    if lowering not in ("triton", "inductor", *_OPS):
         raise ValueError(f"no replacement for lowering {lowering!r}")
     if variant.params["layout"] == "hf":
 
