@@ -186,18 +186,22 @@ VARIANTS = (
 # Example inputs (tiny, real structure: 2 key heads shared by 4 value heads, Dk != Dv)
 # ------------------------------------------------------------------------------------------
 
-DTYPE_COMBOS = ((torch.bfloat16,),)
+# (activations, the A_log / dt_bias / gated-norm weight parameters): a bf16 model; a bf16 model
+# whose GDN parameters stay fp32 (their ``.float()`` is then no cast, a different graph); fp32.
+# An all-fp32 layer whose ``a`` is its own Linear still misses (reported): Inductor folds
+# ``a + dt_bias`` into that GEMM as an addmm bias (tests/patterns/test_gdn.py).
+DTYPE_COMBOS = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32))
 _B, _HK, _HV, _DK, _DV, _K, _SLOTS = 2, 2, 4, 8, 16, 4, 5
 _CONV_DIM = 2 * _HK * _DK + _HV * _DV
 
 
 def example_inputs(variant: Variant, combo) -> list:
-    (act,) = combo
+    act, param = combo
 
     def r(*shape, dtype=act):
         return torch.randn(*shape, dtype=dtype)
 
-    params = [r(_HV), r(_HV), r(_DV)]  # A_log, dt_bias, norm weight
+    params = [r(_HV, dtype=param), r(_HV, dtype=param), r(_DV, dtype=param)]  # A_log, dt_bias, norm weight
     if variant.params["layout"] == "hf":
         lead = (_B, 1)
         return [r(*lead, _CONV_DIM), r(*lead, _HV * _DV), r(*lead, _HV), r(*lead, _HV), r(_CONV_DIM, 1, _K), *params,

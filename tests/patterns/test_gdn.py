@@ -278,7 +278,7 @@ def test_near_miss_is_reported_with_its_reason(near_misses, layer, words):
 def test_guard_declines_more_than_one_token_per_sequence():
     hf_variant = next(v for v in gdn.VARIANTS if v.name == "hf")
     inputs = dict(zip(("mixed_qkv", "z", "b", "a", "conv_weight", "A_log", "dt_bias", "norm_weight", "conv_state",
-                       "recurrent_state"), gdn.example_inputs(hf_variant, (torch.bfloat16,))))  # fmt: skip
+                       "recurrent_state"), gdn.example_inputs(hf_variant, gdn.DTYPE_COMBOS[0])))  # fmt: skip
     values = {**inputs, "eps": 1e-6, "l2_eps": {1e-6}}
     assert gdn.guard(values, hf_variant) is None
     two = inputs["mixed_qkv"].expand(-1, 2, -1)
@@ -288,7 +288,7 @@ def test_guard_declines_more_than_one_token_per_sequence():
     slots_variant = next(v for v in gdn.VARIANTS if v.name == "slots")
     names = ("mixed_qkv", "z", "b", "a", "conv_weight", "A_log", "dt_bias", "norm_weight", "conv_state",
              "recurrent_state", "state_slots")  # fmt: skip
-    values = {**dict(zip(names, gdn.example_inputs(slots_variant, (torch.bfloat16,)))), "eps": 1e-6, "l2_eps": {1e-6}}
+    values = {**dict(zip(names, gdn.example_inputs(slots_variant, gdn.DTYPE_COMBOS[0]))), "eps": 1e-6, "l2_eps": {1e-6}}
     assert gdn.guard(values, slots_variant) is None
     fewer = values["recurrent_state"][:-1]
     assert "does not take this site's shapes" in gdn.guard({**values, "recurrent_state": fewer}, slots_variant)
@@ -418,3 +418,44 @@ def test_fla_lowering_is_only_for_gdn():
         fc.FusionConfig(families={"add_rms_norm": "fla"})
     with pytest.raises(ValueError, match="default_lowering 'fla'"):
         fc.FusionConfig(default_lowering="fla")
+
+
+def _compile_layer_with(dtype, param_dtype):
+    """One reference GDN layer (its projections included) in ``dtype`` with A_log, dt_bias and
+    the gated norm's weight in ``param_dtype``, compiled once: (report, fused, eager, states)."""
+    cfg = ref.TINY
+    torch.manual_seed(0)
+    layer = ref.GatedDeltaNet(cfg).to(dtype)
+    for name in ("A_log", "dt_bias", "norm_weight"):
+        getattr(layer, name).data = getattr(layer, name).data.to(param_dtype)
+    conv = torch.randn(cfg.conv_state_shape(NUM_SLOTS)).to(dtype)
+    recurrent = torch.randn(cfg.recurrent_state_shape(NUM_SLOTS)) * 0.1
+    x = torch.randn(len(SLOTS), cfg.hidden_size).to(dtype)
+    eager_conv, eager_recurrent = conv.clone(), recurrent.clone()
+    backend = fc.FusionBackend(fc.FusionConfig(families={FAMILY: "triton", "add_rms_norm": "off"}))
+    with torch.no_grad():
+        expected = layer(x, eager_conv, eager_recurrent, SLOTS)
+        out = torch.compile(layer, backend=backend)(x, conv, recurrent, SLOTS)
+    return backend.report, (out, conv, recurrent), (expected, eager_conv, eager_recurrent)
+
+
+def test_reference_fuses_with_fp32_gdn_parameters():
+    """A bf16 model that keeps A_log, dt_bias and the gated norm's weight in fp32 (vLLM keeps
+    A_log so): their ``.float()`` is then no cast, another graph (a dtype combo of its own)."""
+    report, (out, conv, recurrent), (expected, eager_conv, eager_recurrent) = _compile_layer_with(
+        torch.bfloat16, torch.float32
+    )
+    assert report.per_variant() == {"slots": 1}, report.format()
+    assert relative_error(out, expected) < 2e-2  # measured 1.3e-2 (the op's bf16 rounding points)
+    assert torch.equal(conv, eager_conv) and relative_error(recurrent, eager_recurrent) < 1e-2
+
+
+def test_all_fp32_layer_is_a_reported_miss():
+    """In an all-fp32 layer Inductor folds ``a + dt_bias`` into in_proj_a's GEMM (``addmm`` with
+    dt_bias as its bias: no cast sits between them), so the gate's add is gone and the site does
+    not match. Not fused, but reported, with where matching stopped."""
+    report, (out, _, _), (expected, _, _) = _compile_layer_with(torch.float32, torch.float32)
+    assert report.count(FAMILY) == 0
+    (miss,) = report.misses(FAMILY)
+    assert "no variant matched" in miss.reason, report.format()
+    assert relative_error(out, expected) < 1e-5
