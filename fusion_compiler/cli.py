@@ -1,7 +1,7 @@
 """`fusion-compiler`: the command line.
 
     fusion-compiler inspect [MODEL | --hf-config FILE.json] [--size tiny|real] [--layers N]
-                            [--device cpu|cuda] [--batch B] [--json OUT] [--plot OUT.png]
+                            [--device cpu|cuda] [--batch B] [--json OUT] [--plot OUT.png] [--explain]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=16, help="tokens prefilled before the decode step")
     p.add_argument("--json", metavar="OUT", help="write the result as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a bar chart of kernels per layer")
+    p.add_argument("--explain", action="store_true",
+                   help="for every miss, the FX nodes from the site's anchor to where the pattern diverged")
     p.add_argument("-v", "--verbose", action="store_true", help="log each mode as it runs")
     return parser
 
@@ -65,7 +67,7 @@ def _inspect(args) -> int:
 
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else (lambda msg: None)
     result = inspect_model(adapter, size, layers, args.device, batch=args.batch, context=args.context, progress=progress)
-    print(format_table(result))
+    print(format_table(result, explain=args.explain))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -155,7 +155,8 @@ def inspect_model(
                 "kernels": {mode: per_kind[kind][mode].to_dict() for mode in MODES},
                 "matches": matches(i),
                 "misses": [
-                    {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason}
+                    {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason,
+                     "chain": list(m.chain)}
                     for m in misses if m.layer == i
                 ],
             }
@@ -174,7 +175,8 @@ def inspect_model(
         "outside_layers": {
             "matches": matches(None),
             "misses": [
-                {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason}
+                {"family": m.family, "module": m.module, "node": m.stopped_at, "reason": m.reason,
+                 "chain": list(m.chain)}
                 for m in misses if m.layer is None
             ],
         },
@@ -203,7 +205,19 @@ def versions() -> dict:
     }
 
 
-def format_table(result: dict) -> str:
+def _miss_lines(misses: list[dict], explain: bool) -> list[str]:
+    lines = []
+    for miss in misses:
+        reason = miss["reason"] if explain else miss["reason"][:200]
+        lines.append(f"        miss {miss['family']} at {miss['module']} ({miss['node']}): {reason}")
+        if explain:
+            lines.extend(f"            {step}" for step in miss.get("chain", ()))
+    return lines
+
+
+def format_table(result: dict, explain: bool = False) -> str:
+    """The per-layer table; with ``explain``, each miss's chain of FX nodes from its anchor to
+    the node where matching diverged (passes/explain.py)."""
     head = f"{result['model']} ({result['size']}, {result['layers']} layers, {result['device']}, batch {result['batch']})"
     source = {m: result["per_layer"][0]["kernels"][m]["count_source"] for m in MODES}
     lines = [
@@ -222,11 +236,9 @@ def format_table(result: dict) -> str:
             f"{row['layer']:>5} {row['kind']:<16} {k['eager']['count']:>6} {k['inductor']['count']:>9} "
             f"{k['fusion_compiler']['count']:>7}  {found(row['matches'])}"
         )
-        for miss in row["misses"]:
-            lines.append(f"        miss {miss['family']} at {miss['module']} ({miss['node']}): {miss['reason'][:200]}")
+        lines.extend(_miss_lines(row["misses"], explain))
     lines.append(f"{'-':>5} {'outside layers':<16} {'':>6} {'':>9} {'':>7}  {found(result['outside_layers']['matches'])}")
-    for miss in result["outside_layers"]["misses"]:
-        lines.append(f"        miss {miss['family']} at {miss['module']} ({miss['node']}): {miss['reason'][:200]}")
+    lines.extend(_miss_lines(result["outside_layers"]["misses"], explain))
     for merge in result.get("merged_launches", []):
         lines.append(f"merged {merge['sites']} {merge['kind']}-prologue sites of {merge['layer']} into one launch")
     lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))

@@ -18,6 +18,7 @@ from . import horizontal as horizontal_module
 from . import rope_gather as rope_gather_module
 from . import tp_variance as tp_variance_module
 from ..module_paths import module_path
+from .explain import chain
 from .horizontal import merge_prologues
 from .rope_gather import fold_rope_gathers
 from .tp_variance import fold_tp_variances
@@ -90,15 +91,15 @@ class FusionPass(_compat.CustomGraphPass):
     @staticmethod
     def _miss(family: Family, lowering: str, anchor, module, declined) -> Site:
         where = family.explain(anchor) or failed_match_reason(family, lowering, anchor)
+        # A declined site matched in structure (its guard said no): the anchor stands for it.
+        stopped = where[0] if where and not declined else anchor
         if declined:
             # The guard's words are the reason; a variant traced for several dtypes
             # declines once per trace, so say each reason once.
             reason = "; ".join(dict.fromkeys(f"{variant}: {why}" for variant, why in declined))
-            return Site(family.name, "missed", None, module, anchor.name, reason, (where or (anchor,))[0].name)
-        if where is None:
-            return Site(family.name, "missed", None, module, anchor.name, "no variant matched", anchor.name)
-        node, reason = where
-        return Site(family.name, "missed", None, module, anchor.name, reason, node.name)
+        else:
+            reason = where[1] if where else "no variant matched"
+        return Site(family.name, "missed", None, module, anchor.name, reason, stopped.name, chain(anchor, stopped))
 
     def _log(self, graph_report: GraphReport) -> None:
         one = MatchReport([graph_report])

@@ -18,6 +18,7 @@ class Site:
     anchor: str
     reason: str | None = None  # for a miss: why
     stopped_at: str | None = None  # for a miss: the node where matching stopped
+    chain: tuple[str, ...] = ()  # for a miss: the nodes from the anchor to stopped_at (passes/explain.py)
 
     @property
     def layer(self) -> int | None:

@@ -184,7 +184,8 @@ def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) ->
     """Inductor's own account of why no variant matched near `anchor`.
 
     Tries every registered variant at the anchor and at the nodes up to four users
-    downstream of it (where a pattern's output can sit), and returns the first failure.
+    downstream of it (where a pattern's output can sit), and returns the first failure: the
+    node the failure names (where the graph left the pattern), else the node tried.
     """
     matcher = matcher_for(family, lowering)
     frontier, seen = [anchor], {anchor}
@@ -193,7 +194,10 @@ def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) ->
             for pattern in _compat.patterns_rooted_at(matcher, node):
                 result = pattern.match(node)
                 if not _compat.is_match(result):
-                    return node, f"no variant matches at {node.name}: {result}"
+                    # The node the failure names is where the graph left the pattern, when it is one.
+                    named = _compat.failed_match_node(result)
+                    diverged = named if named is not None and named.graph is node.graph else node
+                    return diverged, f"no variant matches at {node.name}: {result}"
         frontier = [u for n in frontier for u in n.users if u not in seen]
         seen.update(frontier)
     return None

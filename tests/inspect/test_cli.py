@@ -102,3 +102,24 @@ def test_stack_pairs_keep_every_layer_kind_runnable():
     assert pairs[lin] == ((lin, lin, lin, full), (lin, lin, full))
     assert pairs[full] == ((lin, lin, lin, full, full), (lin, lin, lin, full))
     assert stack_pairs(["moe", "moe"]) == {"moe": (("moe", "moe"), ("moe",))}
+
+
+def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
+    """A DeepSeek V3.2 config that keeps 1 group of 4 (topk_group 1): Inductor then rewrites the
+    group mask into another graph (model_adapters/deepseek_v32), so routing does not match.
+    ``--explain`` prints each miss's FX nodes from the node where matching diverged to the
+    site's anchor, and the JSON carries the same chain."""
+    from fusion_compiler.model_adapters.deepseek_v32 import TINY_CONFIG
+
+    config = {**TINY_CONFIG, "model_type": "deepseek_v32", "num_hidden_layers": 2, "topk_group": 1}
+    path, out = tmp_path / "broken.json", tmp_path / "r.json"
+    path.write_text(json.dumps(config))
+    assert main(["inspect", "--hf-config", str(path), "--explain", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for row in json.loads(out.read_text())["per_layer"]:
+        assert row["matches"]["moe_routing"] == {"found": 0, "expected": 1}, row
+        (miss,) = [m for m in row["misses"] if m["family"] == "moe_routing"]
+        diverged = [line for line in miss["chain"] if line.endswith("<- diverged here")]
+        assert len(diverged) == 1 and diverged[0].startswith(f"{miss['node']} = "), miss
+        assert f"node={miss['node']}" in miss["reason"] and len(miss["chain"]) > 1
+        assert diverged[0] in printed and f"miss moe_routing at {miss['module']} ({miss['node']})" in printed
