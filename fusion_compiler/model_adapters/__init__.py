@@ -3,6 +3,7 @@ target models (DeepSeek V3.2, MiniMax-M2.5, Qwen3.5 MoE) and for generic HF conf
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -43,7 +44,9 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
     """Adapter for any transformers config JSON that names its ``model_type`` (llama, qwen3, ...).
 
     The file's widths are used as both the tiny and the real config (write a small config for CPU
-    work); ``default_layers`` is its ``num_hidden_layers``. Layer kinds: "decoder" per layer.
+    work); ``default_layers`` is its ``num_hidden_layers``. A model_type of one of ``ADAPTERS``
+    keeps that adapter's layer kinds and expected sites; any other has "decoder" layers and
+    expects every RMSNorm that runs and every top-k router.
     Raises ValueError if the file is missing, is not a JSON object, has no ``model_type``, or names
     a model_type this transformers does not know.
     """
@@ -71,6 +74,12 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
     layers = text.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
         layers = 2
+    for known in ADAPTERS.values():
+        if known.model_type == model_type:
+            # The same HF code as one of our models at other widths: its layer kinds and its
+            # rules for which norms a bigger site takes (DeepSeek's kv_a_layernorm goes into
+            # the MLA prologue, the q/k norms into the GQA prologue) hold as they are.
+            return dataclasses.replace(known, name=model_type, real_config=cfg, tiny_config=cfg, default_layers=layers)
     return ModelAdapter(
         name=model_type,
         model_type=model_type,

@@ -106,7 +106,8 @@ def test_stack_pairs_keep_every_layer_kind_runnable():
 
 def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
     """A DeepSeek V3.2 config that keeps 1 group of 4 (topk_group 1): Inductor then rewrites the
-    group mask into another graph (model_adapters/deepseek_v32), so routing does not match.
+    group mask into another graph (model_adapters/deepseek_v32), so routing does not match; every
+    other site fuses as in our own adapter's runs.
     ``--explain`` prints each miss's FX nodes from the node where matching diverged to the
     site's anchor, and the JSON carries the same chain."""
     from fusion_compiler.model_adapters.deepseek_v32 import TINY_CONFIG
@@ -118,6 +119,9 @@ def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
     printed = capsys.readouterr().out
     for row in json.loads(out.read_text())["per_layer"]:
         assert row["matches"]["moe_routing"] == {"found": 0, "expected": 1}, row
+        # A known model_type keeps its adapter's site rules: kv_a_layernorm is the MLA prologue's.
+        assert row["matches"]["mla_prologue"] == {"found": 4, "expected": 4}, row
+        assert row["matches"]["add_rms_norm"] == {"found": 3, "expected": 3}, row
         (miss,) = [m for m in row["misses"] if m["family"] == "moe_routing"]
         diverged = [line for line in miss["chain"] if line.endswith("<- diverged here")]
         assert len(diverged) == 1 and diverged[0].startswith(f"{miss['node']} = "), miss
