@@ -21,6 +21,7 @@ from .. import _compat
 from ..backend import FusionBackend
 from ..config import FusionConfig
 from ..model_adapters import ModelAdapter, make_decode_step
+from ..patterns.registry import trace_seconds_total
 from ..verify import relative_error
 from . import counting
 
@@ -38,14 +39,26 @@ class ModeResult:
     report: object | None = None
 
 
-def _counting_backend(inner: Callable) -> tuple[Callable, list[int]]:
-    graphs = [0]
+def _counting_backend(inner: Callable) -> tuple[Callable, list[int], list[float]]:
+    """``inner`` counting its graphs and timing itself (seconds summed over graphs)."""
+    graphs, seconds = [0], [0.0]
 
     def backend(gm, example_inputs):
         graphs[0] += 1
-        return inner(gm, example_inputs)
+        started = time.perf_counter()
+        try:
+            return inner(gm, example_inputs)
+        finally:
+            seconds[0] += time.perf_counter() - started
 
-    return backend, graphs
+    return backend, graphs, seconds
+
+
+def _stock_inductor(gm, example_inputs):
+    # Inductor's FX-graph cache off, as our backend runs it (a cache hit would skip our pass):
+    # the two compile times compare the same work.
+    with _compat.inductor_patches(None, use_caches=False):
+        return _compat.compile_fx(gm, example_inputs)
 
 
 def run_mode(model, step, mode: str, device: str, expected: dict | None) -> ModeResult:
@@ -54,11 +67,11 @@ def run_mode(model, step, mode: str, device: str, expected: dict | None) -> Mode
     if mode == "eager":
         fn, graphs = model, [0]
     elif mode == "inductor":
-        backend, graphs = _counting_backend(_compat.compile_fx)
+        backend, graphs, _ = _counting_backend(_stock_inductor)
         fn = torch.compile(model, backend=backend)
     else:
         fusion = FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}))
-        backend, graphs = _counting_backend(fusion)
+        backend, graphs, _ = _counting_backend(fusion)
         fn = torch.compile(model, backend=backend)
         report = fusion.report
     # step.run() restores the cache before a repeated run; restore first, outside the
@@ -124,6 +137,7 @@ def inspect_model(
         expected = adapter.expected_sites(model, batch=batch, context=context)
         if stack == tuple(kinds):
             expected_full = expected
+            compile_times = compile_seconds(model, batch, context, expected)
         per_stack[stack] = {}
         for mode in MODES:
             started = time.perf_counter()
@@ -185,9 +199,32 @@ def inspect_model(
         "relative_error_vs_eager": {
             mode: relative_error(full[mode].logits, eager_logits) for mode in MODES if mode != "eager"
         },
+        "compile_seconds": compile_times,
         "expected_sites": expected_full,
         "match_summary": report.summary(),
         "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in report.merges()],
+    }
+
+
+def compile_seconds(model, batch: int, context: int, expected: dict, rounds: int = 2) -> dict:
+    """Backend compile time of the stack (after Dynamo's trace, which both share): stock Inductor
+    and ours, each compiled ``rounds`` times from scratch (Dynamo reset), the last round kept. By
+    then both find their kernels in Inductor's on-disk code cache and neither uses the FX-graph
+    cache, so the difference is the graph work our pass adds. Our one-time pattern tracing (per
+    process and lowering, cached after) is reported on its own."""
+    seconds = {}
+    for mode in ("inductor", "fusion_compiler"):
+        for _ in range(rounds):
+            torch._dynamo.reset()
+            inner = _stock_inductor if mode == "inductor" else FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}))
+            backend, _, timed = _counting_backend(inner)
+            make_decode_step(model, batch=batch, context=context, seed=0).run(torch.compile(model, backend=backend))
+        seconds[mode] = timed[0]
+    return {
+        **seconds,
+        "pattern_tracing": trace_seconds_total(),
+        "pass_overhead_vs_inductor": seconds["fusion_compiler"] / seconds["inductor"] - 1,
+        "method": f"backend seconds of the last of {rounds} from-scratch compiles per mode; FX-graph cache off",
     }
 
 
@@ -241,6 +278,13 @@ def format_table(result: dict, explain: bool = False) -> str:
     lines.extend(_miss_lines(result["outside_layers"]["misses"], explain))
     for merge in result.get("merged_launches", []):
         lines.append(f"merged {merge['sites']} {merge['kind']}-prologue sites of {merge['layer']} into one launch")
+    seconds = result.get("compile_seconds")
+    if seconds and seconds["pass_overhead_vs_inductor"] is not None:
+        lines.append(
+            f"compile (backend, full stack, warm kernel cache): stock Inductor {seconds['inductor']:.2f} s, "
+            f"fusion_compiler {seconds['fusion_compiler']:.2f} s ({100 * seconds['pass_overhead_vs_inductor']:+.0f}%); "
+            f"pattern tracing once per process {seconds['pattern_tracing']:.1f} s"
+        )
     lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -146,9 +147,19 @@ def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     return gm
 
 
+# Seconds spent tracing each (family, lowering)'s variants: once per process, then cached.
+TRACE_SECONDS: dict[tuple[str, str], float] = {}
+
+
+def trace_seconds_total() -> float:
+    """All pattern tracing so far in this process (a compile's share: the difference across it)."""
+    return sum(TRACE_SECONDS.values())
+
+
 @functools.lru_cache(maxsize=None)
 def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
     """Trace every variant of `family` once per process and lowering."""
+    started = time.perf_counter()
     matcher = _compat.PatternMatcherPass(pass_name=f"fusion_compiler.{family.name}")
     for variant in family.variants:
         replace = family.replacement(variant, lowering)
@@ -166,6 +177,7 @@ def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
                 scalar_workaround=dict(family.scalars),
                 skip_duplicates=True,
             )
+    TRACE_SECONDS[(family.name, lowering)] = time.perf_counter() - started
     return matcher
 
 
