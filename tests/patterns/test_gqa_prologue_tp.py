@@ -1,6 +1,7 @@
 """The GQA prologue family under tensor parallelism: MiniMax's full-width QK-norm with its mean
 of squares all-reduced (model_adapters/minimax_m2/reference.py ``rms_norm_tp``, vLLM's
-``MiniMaxText01RMSNormTP.forward_qk``), on CPU with gloo.
+``MiniMaxText01RMSNormTP.forward_qk``), on CPU with gloo, or with NCCL on two GPUs where the
+machine has them (each rank on its own GPU, the op's Triton kernel instead of its reference).
 
 - A world of 2 processes: each rank compiles a 2-layer stack of its shard of the reference
   prologue (layer 0 a bf16 cache, layer 1 an FP8 one) with the fusion backend, strict on one site
@@ -42,6 +43,8 @@ POSITIONS, SLOTS = [5, 0, 17], [13, 2, 7]
 def _skip_reason() -> str | None:
     if not dist.is_available() or not dist.is_gloo_available() or minimax.funcol is None:
         return "torch.distributed with gloo is not available in this build"
+    if torch.cuda.device_count() >= WORLD and not dist.is_nccl_available():
+        return f"{torch.cuda.device_count()} GPUs but no NCCL in this build"
     try:
         torch.ops._c10d_functional.all_reduce.default  # noqa: B018
     except (AttributeError, RuntimeError) as e:
@@ -77,36 +80,47 @@ def _full_layers():
     return [layer.bfloat16() for layer in layers]
 
 
-def _inputs():
+def _rank_device(rank: int) -> torch.device:
+    """Rank r's GPU when the machine has one per rank (NCCL), else the CPU (gloo)."""
+    return torch.device(f"cuda:{rank}") if torch.cuda.device_count() >= WORLD else torch.device("cpu")
+
+
+def _inputs(device="cpu"):
     torch.manual_seed(1)
     x = torch.randn(TOKENS, CFG.hidden_size, dtype=torch.bfloat16)
-    return x, minimax.rope_cos_sin_cache(CFG), torch.tensor(POSITIONS), torch.tensor(SLOTS)
+    tensors = (x, minimax.rope_cos_sin_cache(CFG), torch.tensor(POSITIONS), torch.tensor(SLOTS))
+    return tuple(t.to(device) for t in tensors)
 
 
-def _caches(kv_heads: int, rank: int):
+def _caches(kv_heads: int, rank: int, device="cpu"):
     gen = torch.Generator().manual_seed(100 + rank)
     shape = (6, CFG.block_size, kv_heads, CFG.head_dim)
     dtypes = (torch.bfloat16, FP8)
-    return [tuple(torch.randn(*shape, generator=gen).to(dtype) for _ in range(2)) for dtype in dtypes]
+    return [tuple(torch.randn(*shape, generator=gen).to(dtype).to(device) for _ in range(2)) for dtype in dtypes]
+
+
+def _to_cpu(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _flat(cache):
     return cache.view(-1, *cache.shape[2:])
 
 
-def _decode_forward(layer, rank: int | None):
+def _decode_forward(layer, rank: int | None, device="cpu"):
     """Layer 0's whole decode step (eager): 3 sequences in a bf16 paged cache whose kv heads are
     this rank's (all of them for rank None); o_proj's partial sums all-reduced under TP."""
-    x, table, _, _ = _inputs()
-    seq_lens, block_table = torch.tensor([6, 3, 8]), torch.tensor([[0, 1], [2, 3], [4, 5]])
+    x, table, _, _ = _inputs(device)
+    seq_lens = torch.tensor([6, 3, 8], device=device)
+    block_table = torch.tensor([[0, 1], [2, 3], [4, 5]], device=device)
     context, valid = minimax.context_of(block_table, seq_lens, CFG.block_size)
     gen = torch.Generator().manual_seed(7)
     shape = (6, CFG.block_size, CFG.num_kv_heads, CFG.head_dim)
-    k_cache, v_cache = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(2))
+    k_cache, v_cache = (torch.randn(*shape, generator=gen).bfloat16().to(device) for _ in range(2))
     if rank is not None:
         heads = layer.num_kv_heads
         k_cache, v_cache = (c[:, :, rank * heads : (rank + 1) * heads].contiguous() for c in (k_cache, v_cache))
-    slots = context[torch.arange(3), seq_lens - 1]
+    slots = context[torch.arange(3, device=device), seq_lens - 1]
     with torch.no_grad():
         out = layer(x, table, seq_lens - 1, slots, k_cache, v_cache, 1.0, 1.0, context, valid)
     # An eager functional all-reduce hands back an AsyncCollectiveTensor: wait for its values.
@@ -115,14 +129,18 @@ def _decode_forward(layer, rank: int | None):
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
     """One rank: eager and fused decode steps of its shard; results saved for the parent."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    device = _rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)  # fmt: skip
     try:
         torch.set_num_threads(1)
         start = time.perf_counter()
-        model = Stack([minimax.shard(layer, rank, WORLD) for layer in _full_layers()])
-        x, table, positions, slots = _inputs()
+        model = Stack([minimax.shard(layer, rank, WORLD) for layer in _full_layers()]).to(device)
+        x, table, positions, slots = _inputs(device)
         kv_heads = model.layers[0].num_kv_heads
-        eager_caches, fused_caches, pristine = _caches(kv_heads, rank), _caches(kv_heads, rank), _caches(kv_heads, rank)
+        eager_caches, fused_caches, pristine = (_caches(kv_heads, rank, device) for _ in range(3))
         expected = {FAMILY: {"layers.0": 1, "layers.1": 1}}
         backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
         with torch.no_grad():
@@ -131,14 +149,14 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
                 lambda: torch.compile(model, backend=backend)(x, table, positions, slots, fused_caches)
             )
         report = backend.report
-        torch.save(dict(
-            per_variant=report.per_variant(), misses=[s.reason for s in report.misses(FAMILY)],
+        torch.save(_to_cpu(dict(
+            device=str(device), per_variant=report.per_variant(), misses=[s.reason for s in report.misses(FAMILY)],
             missing=report.missing_expected(), format=report.format(),
             folded_divisions=report.folded_tp_divisions(), fused_variances=report.fused_tp_variances(),
             folded_gathers=report.folded_rope_gathers(), eager=eager, fused=fused, eager_caches=eager_caches,
             fused_caches=fused_caches, pristine=pristine, code="\n".join(code), seconds=time.perf_counter() - start,
-            forward=_decode_forward(model.layers[0], rank),
-        ), os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+            forward=_decode_forward(model.layers[0], rank, device),
+        )), os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
