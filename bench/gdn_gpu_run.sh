@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for issue 6: the GDN decode op / kernel tests on CUDA, then the GDN
-# core bench at Qwen3.5's real dims (eager, stock Inductor, fla's kernels, ours; batch 1, 8, 64,
-# 256). Results in $OUT/gdn_results.tgz (the device returns at most 8 files). ~8 min.
+# One device call for issue 6: the GDN decode op / kernel tests on CUDA, the kernel's tiling
+# sweep, then (fla-core installed) the fla lowering's tests and the GDN core bench at Qwen3.5's
+# real dims (eager, stock Inductor, fla's kernels, ours, ours with the "fla" lowering; batch 1,
+# 8, 64, 256). Results in $OUT/gdn_results.tgz (the device returns at most 8 files). ~8 min.
 #
 # Call it with carry: [".wheels"]. .wheels/ (git-ignored) holds fla-core 0.6.0 and its one
 # non-torch dependency, einops (the device is offline):
@@ -17,6 +18,7 @@ if ls .wheels/fla_core-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index .wheels/einops-*.whl .wheels/fla_core-*.whl > "$R/fla_install.log" 2>&1 \
     || { echo "fla install failed (the bench runs without the fla rows):"; tail -n 5 "$R/fla_install.log"; }
   python3 -c "import fla.ops.gated_delta_rule, fla.modules.causal_conv1d, fla.modules.norm.layernorm_gated; print('fla', fla.__version__)" 2>&1 | tail -n 2 | tee -a "$R/versions.log"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_fla.py 2>&1 | tail -n 5 | tee "$R/fla_tests_cuda.log"
 else
   echo "no .wheels/fla_core-*.whl: was the call made with carry: [\".wheels\"]? The bench runs without the fla rows." | tee -a "$R/versions.log"
 fi
