@@ -12,8 +12,8 @@ OUT=${OUT:-/tmp/out}
 R=$OUT/gdn_results
 source bench/device_setup.sh "$R"
 # The tests first: with fla installed, HF's GDN layer (their reference) would run fla's kernels.
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py tests/ops/test_gdn_decode.py 2>&1 | tail -n 25 | tee "$R/gdn_tests_cuda.log"
-timeout 240 python3 bench/gdn_tiling_sweep.py --out "$R/gdn_tiling_sweep_h200.json" 2>&1 | grep -v -i warn | grep "best\|error" | tail -n 12
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py tests/ops/test_gdn_decode.py 2>&1 | tail -n 25 | tee "$R/gdn_tests_cuda.log"
+timeout 200 python3 bench/gdn_tiling_sweep.py --out "$R/gdn_tiling_sweep_h200.json" 2>&1 | grep -v -i warn | grep "best\|error" | tail -n 12
 if ls .wheels/fla_core-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index .wheels/einops-*.whl .wheels/fla_core-*.whl > "$R/fla_install.log" 2>&1 \
     || { echo "fla install failed (the bench runs without the fla rows):"; tail -n 5 "$R/fla_install.log"; }
@@ -22,6 +22,6 @@ if ls .wheels/fla_core-*.whl > /dev/null 2>&1; then
 else
   echo "no .wheels/fla_core-*.whl: was the call made with carry: [\".wheels\"]? The bench runs without the fla rows." | tee -a "$R/versions.log"
 fi
-timeout 240 python3 bench/gdn_decode.py --out "$R/gdn_decode_h200.json" > "$R/gdn_decode.log" 2>&1
+timeout 200 python3 bench/gdn_decode.py --out "$R/gdn_decode_h200.json" > "$R/gdn_decode.log" 2>&1
 grep -v -i warn "$R/gdn_decode.log" | cut -c1-700 | tail -n 40
 tar -czf "$OUT/gdn_results.tgz" -C "$OUT" gdn_results && rm -rf "$R"
