@@ -81,12 +81,12 @@ def patterns_rooted_at(matcher: PatternMatcherPass, node: torch.fx.Node) -> list
     return [entry.pattern for entry in matcher.patterns.get((node.op, node.target), [])]
 
 
-
 def failed_match_node(result) -> torch.fx.Node | None:
     """The graph node a failed match names (Inductor's ``FailedMatch`` keeps its format
     arguments, e.g. ``function_mismatch: node=mm_8, pattern=...``), or None."""
     values = (*getattr(result, "args", ()), *getattr(result, "kwargs", {}).values())
     return next((v for v in values if isinstance(v, torch.fx.Node)), None)
+
 
 def fake_value(node: object):
     """The FakeTensor (or SymInt/scalar) a post-grad node carries in `meta['val']`, or None."""

@@ -293,7 +293,7 @@ class Tiling:
     num_warps: int = 4
 
 
-def tiling(tokens: int, key_dim: int, value_dim: int, value_heads: int) -> Tiling:
+def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     """The H200 sweep's choice (bench/gdn_tiling_sweep.py, gdn_decode-3, bench/NOTES.md): 4
     warps; one program per head looping over 64-column blocks from 16 sequences up (70% of the
     copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while there
@@ -309,8 +309,8 @@ def tiling(tokens: int, key_dim: int, value_dim: int, value_heads: int) -> Tilin
 
 
 # Arrival counters per device (key heads' conv windows, then split heads' norms). The last
-# arriving program resets its counter to zero, so a
-# buffer is zeroed once, outside any CUDA-graph capture, and every later launch finds it at zero.
+# arriving program resets its counter to zero, so a buffer is zeroed once, outside any
+# CUDA-graph capture, and every later launch finds it at zero.
 # A bigger batch allocates a bigger buffer (outside capture only); the old ones are kept, since a
 # captured graph may still point at them. Launches on one device must not overlap in time.
 _COUNTERS: dict[int, torch.Tensor] = {}
@@ -357,7 +357,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             raise ValueError(f"{name} must be contiguous")
     if out.dtype != mixed_qkv.dtype:
         raise ValueError(f"out must have mixed_qkv's dtype {mixed_qkv.dtype} (split heads keep o in it), got {out.dtype}")
-    tile = tiling_override or tiling(tokens, key_dim, value_dim, value_heads)
+    tile = tiling_override or tiling(tokens, value_dim, value_heads)
     if tile.block_v & (tile.block_v - 1) or tile.block_v * tile.chunks * tile.split < value_dim:
         raise ValueError(f"{tile} does not cover {value_dim} value columns with a power-of-two block")
     # One block a row needs BV == DV_PAD (the norm's row is the block).

@@ -50,7 +50,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> N
     if not (dst.is_contiguous() and src.is_contiguous()) or dst.shape[1:] != src.shape[1:]:
         raise ValueError(f"scatter_rows needs contiguous rows of one shape, got {tuple(dst.shape)} <- {tuple(src.shape)}")
     row_numel = src[0].numel() if src.shape[0] else 0
-    if src.shape[0] == 0 or row_numel == 0:
+    if row_numel == 0:
         return
     block = 4096
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 import inspect
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
