@@ -49,7 +49,7 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
     assert result["graphs"]["fusion_compiler"] == 1
     assert result["relative_error_vs_eager"]["fusion_compiler"] < 2e-2
-    seconds = result["compile_seconds"]  # measured CPU, tiny: 2.85 s stock, 2.18 s ours, tracing 2.7 s
+    seconds = result["compile_seconds"]  # measured CPU, tiny: 3.87 s stock, 3.12 s ours, tracing 4.7 s
     assert seconds["inductor"] > 0 and seconds["fusion_compiler"] > 0 and seconds["pattern_tracing"] > 0
     assert seconds["pass_overhead_vs_inductor"] == seconds["fusion_compiler"] / seconds["inductor"] - 1
 
