@@ -171,14 +171,22 @@ def test_reference_outputs_and_slots_equal_eager_over_eight_steps(reference_run)
         assert relative_error(rec_f[SLOTS], rec_e[SLOTS]) < 1e-2  # measured 4.6e-3 / 6.0e-3 (triton), <= 4.1e-3 (inductor)
 
 
-def test_hf_fuses_at_batch_one():
-    """HF's decode at one sequence (the case that matters most; the fixture above runs 2): every
+@pytest.mark.parametrize("batch, fp32_gdn_parameters", [(1, False), (2, True)])
+def test_hf_single_step_fuses_every_linear_attention_layer(batch, fp32_gdn_parameters):
+    """HF's decode at one sequence (the case that matters most; the fixture above runs 2), and a
+    bf16 HF model keeping A_log, dt_bias and the gated norm's weight in fp32: every
     linear-attention layer still fuses one site (strict), and the logits match eager."""
     adapter = get_adapter("qwen3.5")
     model = adapter.build_hf(size="tiny", layers=4, dtype=torch.bfloat16, num_experts_per_tok=8)
+    if fp32_gdn_parameters:
+        for i in GDN_LAYERS:
+            gdn_layer = model.model.layers[i].linear_attn
+            for param in (gdn_layer.A_log, gdn_layer.dt_bias, gdn_layer.norm.weight):
+                param.data = param.data.float()
     backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=adapter.expected_sites(model)))
-    eager_step, fused_step = make_decode_step(model, batch=1), make_decode_step(model, batch=1)
-    kwargs = {"input_ids": torch.tensor([[3]]), "position_ids": torch.tensor([[eager_step.context]]), "use_cache": True}
+    eager_step, fused_step = make_decode_step(model, batch=batch), make_decode_step(model, batch=batch)
+    kwargs = {"input_ids": torch.arange(3, 3 + batch)[:, None],
+              "position_ids": torch.full((batch, 1), eager_step.context), "use_cache": True}  # fmt: skip
     with torch.no_grad():
         eager = model(**kwargs, past_key_values=eager_step.cache).logits
         fused = torch.compile(model, backend=backend)(**kwargs, past_key_values=fused_step.cache).logits
