@@ -106,19 +106,22 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     return result
 
 
-def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list) -> dict:
+def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list) -> dict:
+    """% of HBM by (head-block lanes, warps): "lanes/warps" -> %."""
     from fusion_compiler.kernels import gqa_prologue as kernel
 
-    saved = kernel._BLOCK_LANES
+    saved = kernel._BLOCK_LANES, kernel.num_warps_for
     out = {}
     try:
         with torch.no_grad():
             for lanes in lanes_list:
-                kernel._BLOCK_LANES = lanes
-                us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
-                out[lanes] = round(100 * size / us / 1e3 / bandwidth, 1)
+                for warps in warps_list:
+                    kernel._BLOCK_LANES = lanes
+                    kernel.num_warps_for = lambda _lanes, w=warps: w
+                    us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
+                    out[f"{lanes}/{warps}"] = round(100 * size / us / 1e3 / bandwidth, 1)
     finally:
-        kernel._BLOCK_LANES = saved
+        kernel._BLOCK_LANES, kernel.num_warps_for = saved
     return out
 
 
@@ -129,6 +132,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--sweep-lanes", type=int, nargs="*", default=[],
                         help="at the largest token count, also time ours with these head-block sizes (lanes)")
+    parser.add_argument("--sweep-warps", type=int, nargs="*", default=[4, 8], help="... and these warps per program")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth_gbs()
     rows = []
@@ -165,13 +169,14 @@ def main() -> None:
             if "inductor_us" in row and "ours_us" in row:
                 row["speedup_vs_inductor"] = row["inductor_us"] / row["ours_us"]
             if tokens == max(args.tokens) and args.sweep_lanes and "ours" in variants:
-                row["ours_pct_bw_by_block_lanes"] = _sweep_lanes(variants["ours"], sets, rotations, size, bandwidth, args.sweep_lanes)
+                row["ours_pct_bw_by_block_lanes"] = _sweep_lanes(variants["ours"], sets, rotations, size, bandwidth,
+                                                                 args.sweep_lanes, args.sweep_warps)
             summary = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                        if k.endswith(("_kernels", "_us", "_pct_bw")) or k.startswith("speedup")}  # fmt: skip
             print(f"{name} T={tokens:5d} {summary}", flush=True)
             print("   ours vs eager:", row.get("ours_vs_eager"), flush=True)
             if "ours_pct_bw_by_block_lanes" in row:
-                print("   ours % of HBM by block lanes:", row["ours_pct_bw_by_block_lanes"], flush=True)
+                print("   ours % of HBM by block lanes / warps:", row["ours_pct_bw_by_block_lanes"], flush=True)
             rows.append(row)
     common.write_json(args.out, {"device": common.device_facts(), "copy_bandwidth_gbs": bandwidth, "rows": rows})
 

@@ -14,7 +14,9 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
   shape   the GEMM launch's program target / split cap alternatives at 1 and 16 tokens;
   cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
           (W @ h^T)^T (cuBLAS picks split-K, two kernels, for these skinny shapes);
-  warps   the routing kernel's num_warps at 64 tokens.
+  warps   the routing kernel's num_warps at 64 tokens;
+  ab      the one launch at 1 and 2 tokens: picked scores by tl.gather or reloaded from L2, and
+          a GEMV or a 16-row tl.dot at one token (not in the default parts).
 
     python bench/moe_router_check.py --out bench/results/moe_router_check_h200.json
 """
@@ -153,6 +155,19 @@ def main():
                 shapes.append({"tokens": t, "target_programs": target, "max_split": cap, "us": us})
                 print(name, shapes[-1], flush=True)
         row["shapes"] = shapes
+        ab = []
+        for t in (1, 2) if "ab" in parts else ():
+            a = make_args(name, t)
+            for gather_regs in (True, False):
+                for gemv in (True, False):
+                    K._GATHER_IN_REGISTERS, K._GEMV_AT_ONE_TOKEN = gather_regs, gemv
+                    try:
+                        us = common.graph_time_us(lambda i: _fused(a), 1)
+                    finally:
+                        K._GATHER_IN_REGISTERS, K._GEMV_AT_ONE_TOKEN = True, True
+                    ab.append({"tokens": t, "gather_in_registers": gather_regs, "gemv_at_one_token": gemv, "us": us})
+                    print(name, ab[-1], flush=True)
+        row["ab"] = ab
         cublas = []
         for t in (32, 64, 128, 256) if "cublas" in parts else ():
             a = make_args(name, t)

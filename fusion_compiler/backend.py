@@ -14,6 +14,7 @@ import torch
 
 from . import _compat
 from .config import FusionConfig
+from .cudagraph import StepGraphs, plan_inputs
 from .passes import FusionPass, MatchReport
 from .verify import verify_first_call
 
@@ -32,6 +33,7 @@ class FusionBackend:
         self.config = config or FusionConfig()
         self.report = MatchReport()
         self.compiles = 0
+        self.step_graphs: list[StepGraphs] = []  # one per compiled CUDA graph (cudagraph.py)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
         self.compiles += 1
@@ -39,8 +41,15 @@ class FusionBackend:
         first_graph = len(self.report.graphs)
         # compile_fx runs pre-grad passes on gm in place; verify needs the untouched graph.
         reference = copy.deepcopy(gm) if self.config.verify else None
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in example_inputs)
+        plan = plan_inputs(gm, example_inputs, self.config.cudagraph_slot_inputs) if on_cuda else None
         with _compat.inductor_patches(fusion_pass, use_caches=self.config.inductor_cache):
             compiled = _compat.compile_fx(gm, example_inputs)
+        if self.config.cudagraphs and on_cuda:
+            compiled = StepGraphs(compiled, plan, self.config.cudagraph_buckets, name=f"graph {self.compiles}")
+            self.step_graphs.append(compiled)
+            log.info("fusion_compiler: graph %d runs in CUDA graphs: %d batch inputs (%d slot inputs padded with -1)",
+                     self.compiles, len(plan.batch), len(plan.slots))
         if self.config.verify:
             sites = [s for g in self.report.graphs[first_graph:] for s in g.matched()]
             return verify_first_call(reference, compiled, sites, self.config.verify_rtol)

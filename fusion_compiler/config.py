@@ -23,6 +23,10 @@ FAMILY_LOWERINGS: Mapping[str, tuple[str, ...]] = MappingProxyType({"gdn": ("fla
 fla-core's kernels (kernels/gdn_fla.py; needs ``pip install fla-core``)."""
 
 
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_SLOT_INPUTS: tuple[str, ...] = ("slots", "slot_mapping", "state_slots", "state_indices")
+
+
 def lowerings_of(family: str) -> tuple[str, ...]:
     return LOWERINGS + FAMILY_LOWERINGS.get(family, ())
 
@@ -47,6 +51,11 @@ class FusionConfig:
         a cache hit skips our pass, so that compile would have no match report.
     horizontal_merge: fold a layer's independent prologue sites (passes/horizontal.py) into
         one launch each side of the q_b GEMM (DeepSeek V3.2: 2 kernels instead of 5).
+    cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
+        bucket (cudagraph.py); no effect on CPU.
+    cudagraph_buckets: the batch sizes captured; a batch runs in the smallest bucket that holds
+        it (rows padded with slot -1), above the largest uncaptured.
+    cudagraph_slot_inputs: names of the step's slot-mapping arguments, padded with -1.
     """
 
     families: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -57,6 +66,9 @@ class FusionConfig:
     expected: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     inductor_cache: bool = False
     horizontal_merge: bool = True
+    cudagraphs: bool = True
+    cudagraph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    cudagraph_slot_inputs: tuple[str, ...] = DEFAULT_SLOT_INPUTS
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.families) - set(FAMILY_ORDER))
@@ -72,6 +84,11 @@ class FusionConfig:
         unknown_expected = sorted(set(self.expected) - set(FAMILY_ORDER))
         if unknown_expected:
             raise ValueError(f"expected sites given for unknown families {unknown_expected}")
+        buckets = tuple(self.cudagraph_buckets)
+        if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"cudagraph_buckets must be positive ints, got {self.cudagraph_buckets!r}")
+        object.__setattr__(self, "cudagraph_buckets", tuple(sorted(set(buckets))))
+        object.__setattr__(self, "cudagraph_slot_inputs", tuple(n.lower() for n in self.cudagraph_slot_inputs))
         if not (0 < self.verify_rtol < 1):
             raise ValueError(f"verify_rtol must be in (0, 1), got {self.verify_rtol}")
         object.__setattr__(self, "families", _frozen(self.families))

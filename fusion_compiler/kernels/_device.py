@@ -29,7 +29,8 @@ import triton.language as tl
 
 # The interpreter needs the bit-level conversions below; the GPU's native casts give the
 # same bits with fewer instructions on the decode critical path.
-INTERPRETER_BIT_CASTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETER_BIT_CASTS = INTERPRETER
 
 FP8_MAX = tl.constexpr(448.0)
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)

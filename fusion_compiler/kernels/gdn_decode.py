@@ -27,11 +27,12 @@ half of the 132 SMs idle. One [Dk, Dv] tile per program (gdn_decode-1) ran at 38
 registers a thread at 8 warps left too few programs resident to keep the loads in flight.
 
 The gated RMSNorm needs the head's whole o row. One block per row: in registers. Otherwise each
-block's o goes to OUT (exact: OUT has o's dtype, the reference's rounding point) and the program
-that finishes the row reads it back (``.cg``, from L2) and normalises it: the head's only
-program after a bar.sync, or with split > 1 the last of its programs to arrive on a per-(row,
-head) counter (bar.sync, then a gpu-scope acq_rel ``atomic_add``; the release orders every
-program's o stores before the ticket, the acquire the reader's loads after it).
+block's o goes to OUT (exact: OUT has o's dtype, the reference's rounding point) and is read back
+(``.cg``, from L2) and normalised: by the head's only program after a bar.sync, or with split >
+1 by the last program of the whole key head to arrive on its counter (below), which finishes
+the rows of all ``ratio`` heads of the key head at once. So a split row costs one atomic, not
+one for the norm and one for the conv windows (gdn_decode-6 had both, each a ~1 us stall at one
+sequence).
 
 Each program recomputes the conv (K taps, SiLU) of the channels it needs: Dk q channels and
 Dk k channels of its key head h // ratio, and the v channels of its blocks, from the conv state
@@ -42,13 +43,14 @@ fp32 sum rounded once, SiLU rounded to the weight's dtype, then to the activatio
 Conv state, written exactly once per channel, in place: the v channels by their only reader
 (after a barrier: the shifted tile is stored over columns other threads of the program load);
 the q/k channels of key head kh are read by ``ratio * split`` programs, so the one that arrives
-last on a per-(row, key head) counter writes them. Every reader loads, then ``debug_barrier``
-(bar.sync) and a gpu-scope acq_rel ``atomic_add``; the program that draws the last ticket knows
-every other reader's loads are done and stores the shifted window, then resets the counter to
-zero, so counters stay zero between launches (moe_route's completion counter does the same; the
-per-device buffer must first be sized outside CUDA-graph capture, see ``_counters``). With one
-reader there is no counter. Letting any reader write would race with the others' loads;
-vLLM's answer is a separate conv-update launch before the recurrent kernel, one launch more.
+last on a per-(row, key head) counter writes them, at the end of the program. Every reader
+loads, then ``debug_barrier`` (bar.sync) and a gpu-scope acq_rel ``atomic_add``; the program that
+draws the last ticket knows every other reader's loads are done and stores the shifted window,
+then resets the counter to zero, so counters stay zero between launches (moe_route's counters do
+the same; the per-device buffer must first be sized outside CUDA-graph capture, see
+``_counters``). With one reader there is no counter. Letting any reader write would race with
+the others' loads; vLLM's answer is a separate conv-update launch before the recurrent kernel,
+one launch more.
 Padding rows (slot -1) read and write no state and no counter, and store a zero output row.
 
 Math in fp32: sigmoid, silu and softplus as torch writes them (``x / (1 + exp(-x))``,
@@ -71,7 +73,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-6"
+KERNEL_VERSION = "gdn_decode-7"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -171,12 +173,19 @@ def _l2norm(x, eps):
 
 
 @triton.jit
+def _gated_norm(o, z, norm_w, eps, DV: tl.constexpr, ACT: tl.constexpr, NORM_DTYPE: tl.constexpr):
+    """rms-normalised rows of o [rows, DV_PAD] times norm_w, times silu(z), in HF's roundings."""
+    rstd = tl.math.rsqrt(mean_from_sum(tl.sum(o * o, axis=1), DV) + eps)[:, None]
+    normed = round_trip(o * rstd, ACT)
+    return round_trip(norm_w * normed, NORM_DTYPE) * _silu(z)
+
+
+@triton.jit
 def _gdn_decode_kernel(
-    MIXED, Z, B, A, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV_STATE, REC_STATE, SLOTS, OUT, CONV_COUNTERS,
-    NORM_COUNTERS,
+    MIXED, Z, B, A, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV_STATE, REC_STATE, SLOTS, OUT, COUNTERS,
     stride_x, stride_z, stride_b, stride_a, stride_o, stride_w_c, stride_w_k,
     stride_cs_s, stride_cs_c, stride_cs_w, stride_rs_s, stride_rs_h, stride_rs_k,
-    key_heads, value_heads, eps, qk_eps, sqrt_dk,
+    key_heads, eps, qk_eps, sqrt_dk,
     RATIO: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     BV: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
@@ -194,6 +203,12 @@ def _gdn_decode_kernel(
     key_width = key_heads * DK
     x_row = MIXED + t * stride_x
     cs = CONV_STATE + slot * stride_cs_s
+    # The heads whose gated norm this program may finish: its own, or with a split row every
+    # head of its key head (the key head's last program to arrive finishes all of them).
+    NH: tl.constexpr = RATIO if SPLIT > 1 else 1
+    norm_heads = (kh * RATIO + tl.arange(0, NH)[:, None]) if SPLIT > 1 else (h + tl.arange(0, NH)[:, None])
+    d = tl.arange(0, DV_PAD)[None, :]
+    dmask = d < DV
 
     # The first value block's loads (state and v conv), the gates' inputs and the norm weight are
     # issued first: the q/k work below overlaps them.
@@ -201,9 +216,7 @@ def _gdn_decode_kernel(
     v0 = part * CHUNKS * BV
     state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live, stride_cs_c, stride_cs_w,
                                    stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
-    d = tl.arange(0, DV_PAD)
-    dmask = d < DV
-    z = upcast(tl.load(Z + t * stride_z + h * DV + d, mask=dmask & live, other=0.0))
+    z = upcast(tl.load(Z + t * stride_z + norm_heads * DV + d, mask=dmask & live, other=0.0))
     norm_w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
     b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
     a = upcast(tl.load(A + t * stride_a + h, mask=live, other=0.0))
@@ -211,20 +224,11 @@ def _gdn_decode_kernel(
     dt_bias = upcast(tl.load(DT_BIAS + h))
 
     # q and k of this program's key head: conv ([q | k | v] along conv_dim), l2norm, q's scale.
+    # Their shifted windows are stored at the end, by the key head's last program.
     q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, DK, live, stride_cs_c, stride_cs_w, stride_w_c,
                               stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
     k, k_win = _conv_channels(x_row, cs, CONV_W, key_width + kh * DK, DK, live, stride_cs_c, stride_cs_w,
                               stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
-    # The RATIO * SPLIT programs of a key head all read its q/k channels: the last to arrive on
-    # the per-(row, key head) counter (every reader loads, bar.sync, then a gpu-scope acq_rel
-    # atomic) stores the shifted windows, after every other reader's loads.
-    readers: tl.constexpr = RATIO * SPLIT
-    tl.debug_barrier()  # this program's own loads of the windows (any thread) before any store
-    writer = _last_arrival(CONV_COUNTERS + t * key_heads + kh, live, readers)
-    _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
-    _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
-    if readers > 1:
-        tl.store(CONV_COUNTERS + t * key_heads + kh, 0, mask=writer)
     q = tl.math.div_rn(_l2norm(q, qk_eps), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
     k = _l2norm(k, qk_eps)
 
@@ -238,8 +242,8 @@ def _gdn_decode_kernel(
     o_row = OUT + t * stride_o + h * DV
     one_block_of_split_row: tl.constexpr = CHUNKS == 1 and SPLIT > 1
     if one_block_of_split_row:
-        # o goes out first and the state only after the norm counter below: that counter's
-        # release then waits for o's stores, not for the state block's.
+        # o goes out first and the state only after the counter below: the counter's release
+        # then waits for o's stores, not for the state block's.
         vv = v0 + tl.arange(0, BV)
         state, o = _update_block(state, v, k, q, decay, beta, ACT)
         tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
@@ -262,24 +266,38 @@ def _gdn_decode_kernel(
                                            stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD,
                                            W, W_PAD, CONV_DTYPE, ACT)
 
-    # Gated RMSNorm over the head's DV values: in registers when one block holds the row,
-    # else read back from OUT by the program that finishes the row (the last of SPLIT to arrive).
+    # Gated RMSNorm over each head's DV values, and the key head's q/k conv windows. The RATIO *
+    # SPLIT programs of a key head all read its q/k windows, so one of them, the last to arrive on
+    # the per-(row, key head) counter, stores the shifted windows after every reader's loads.
+    # One block a row: the norm in registers. A row in blocks of one program: read back from OUT
+    # after a bar.sync. A split row: the same last program reads back and finishes every row of
+    # the key head, so one counter serves both (o's stores, then bar.sync and the gpu-scope
+    # acq_rel atomic, are ordered before the ticket; the finisher's loads after it).
+    readers: tl.constexpr = RATIO * SPLIT
+    out_rows = OUT + t * stride_o + norm_heads * DV + d
     if CHUNKS * SPLIT == 1:  # BV == DV_PAD
-        row_mask = dmask  # padding rows included: their zero row is stored below
+        y = _gated_norm(o[None, :], z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        tl.store(out_rows, downcast(tl.where(live, y, 0.0), OUT.dtype.element_ty), mask=dmask)
+        tl.debug_barrier()
+        writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
+    elif SPLIT == 1:
+        tl.debug_barrier()
+        o = upcast(tl.load(out_rows, mask=dmask & live, other=0.0, cache_modifier=".cg"))
+        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & live)  # padding rows: zeros stored
+        writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
     else:
         tl.debug_barrier()
-        normer = _last_arrival(NORM_COUNTERS + t * value_heads + h, live, SPLIT)
-        if SPLIT > 1:
-            tl.store(NORM_COUNTERS + t * value_heads + h, 0, mask=normer)
+        writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
         if one_block_of_split_row:
             tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
-        o = upcast(tl.load(o_row + d, mask=dmask & normer, other=0.0, cache_modifier=".cg"))
-        row_mask = dmask & normer  # padding rows: their zero blocks were stored above
-    rstd = tl.math.rsqrt(mean_from_sum(tl.sum(o * o, axis=0), DV) + eps)
-    normed = round_trip(o * rstd, ACT)
-    y = round_trip(norm_w * normed, NORM_DTYPE)
-    y = tl.where(live, y * _silu(z), 0.0)
-    tl.store(o_row + d, downcast(y, OUT.dtype.element_ty), mask=row_mask)
+        o = upcast(tl.load(out_rows, mask=dmask & writer, other=0.0, cache_modifier=".cg"))
+        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & writer)  # padding rows: zeros stored
+    _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
+    _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
+    if readers > 1:
+        tl.store(COUNTERS + t * key_heads + kh, 0, mask=writer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,21 +312,24 @@ class Tiling:
 
 
 def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
-    """The H200 sweep's choice (bench/gdn_tiling_sweep.py, gdn_decode-3, bench/NOTES.md): 4
-    warps; one program per head looping over 64-column blocks from 16 sequences up (70% of the
-    copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while there
-    are fewer heads than ~SMs (1 sequence: 64 programs would leave half the 132 SMs idle), over
-    2 up to 2x that."""
+    """The H200 sweeps' choice (bench/gdn_tiling_sweep.py, gdn_decode-3 and -7, bench/NOTES.md):
+    one program per head looping over 64-column blocks at 4 warps from 16 sequences up (70% of
+    the copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while
+    there are fewer heads than ~SMs (1 sequence: 64 programs would leave half the 132 SMs
+    idle), over 2 up to 2x that."""
     block_v = min(triton.next_power_of_2(value_dim), 64 if tokens >= 16 else 32)
     blocks = triton.cdiv(value_dim, block_v)
     programs = tokens * value_heads
     split = 4 if programs <= 128 else 2 if programs <= 256 else 1
     while blocks % split:
         split //= 2
-    return Tiling(block_v, chunks=blocks // split, split=split)
+    # gdn_decode-7 at 8 sequences: 32-column blocks looped by one or two programs a head are
+    # fastest at 2 warps (28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, session 6).
+    warps = 2 if block_v == 32 and split <= 2 else 4
+    return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
 
 
-# Arrival counters per device (key heads' conv windows, then split heads' norms). The last
+# Arrival counters per device, one per (row, key head). The last
 # arriving program resets its counter to zero, so a buffer is zeroed once, outside any
 # CUDA-graph capture, and every later launch finds it at zero.
 # A bigger batch allocates a bigger buffer (outside capture only); the old ones are kept, since a
@@ -338,8 +359,8 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
                    recurrent_state, state_slots, out, counters=None, tiling_override=None) -> None:  # fmt: skip
     """Launch the kernel: writes ``out`` [T, Hv * Dv] and both states in place. Arguments as the
     op's (validated there); mixed_qkv, z, b, a need unit stride along their width, the weights
-    unit stride, recurrent_state unit stride along Dv. ``counters`` (int32, >= T * (key_heads +
-    value_heads), all zero; left zero) defaults to a per-device buffer. ``tiling_override``
+    unit stride, recurrent_state unit stride along Dv. ``counters`` (int32, >= T * key_heads, all
+    zero; left zero) defaults to a per-device buffer. ``tiling_override``
     (a ``Tiling``) replaces ``tiling``'s choice. No host syncs."""
     tokens = mixed_qkv.shape[0]
     if tokens == 0:
@@ -363,20 +384,20 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
     # One block a row needs BV == DV_PAD (the norm's row is the block).
     tile = dataclasses.replace(tile, block_v=min(tile.block_v, triton.next_power_of_2(value_dim)))
     if counters is None and (value_heads > key_heads or tile.split > 1):
-        counters = _counters(mixed_qkv.device, tokens * (key_heads + value_heads))
-    conv_counters = counters if counters is not None else state_slots  # unused when every count is 1
-    norm_counters = counters[tokens * key_heads :] if counters is not None else state_slots
+        counters = _counters(mixed_qkv.device, tokens * key_heads)
+    if counters is None:
+        counters = state_slots  # never touched: every key head has one reader
     norm_dtype = _TL_DTYPES[torch.promote_types(norm_weight.dtype, mixed_qkv.dtype)]
 
     def _launch():
         _gdn_decode_kernel[(tokens, value_heads, tile.split)](
             mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, state_slots,
-            out, conv_counters, norm_counters,
+            out, counters,
             mixed_qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), out.stride(0),
             conv_weight.stride(0), conv_weight.stride(-1),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
-            key_heads, value_heads, float(eps), float(qk_l2norm_eps), float(key_dim**0.5),
+            key_heads, float(eps), float(qk_l2norm_eps), float(key_dim**0.5),
             RATIO=value_heads // key_heads, DK=key_dim, DK_PAD=triton.next_power_of_2(key_dim),
             DV=value_dim, DV_PAD=triton.next_power_of_2(value_dim), BV=tile.block_v, CHUNKS=tile.chunks,
             SPLIT=tile.split,

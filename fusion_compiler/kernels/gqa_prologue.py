@@ -20,7 +20,7 @@ tokens); -6 keeps whole tiles up to 256 tokens; -7 sizes k's and v's tiles by th
 q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache); -8 takes a
 tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
 instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
-that all-reduce. This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
+that all-reduce; -9 unrolls the full-width norm's sum over head blocks. This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
 importing it to run on CPU tensors.
 """
 
@@ -33,7 +33,7 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-8"
+KERNEL_VERSION = "gqa_prologue-9"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
@@ -51,6 +51,11 @@ def heads_per_block(tokens: int, heads: int, d_pad: int) -> int:
     return max(1, min(most, _BLOCK_LANES // d_pad))
 
 
+def num_warps_for(lanes: int) -> int:
+    """Warps of a program whose q tile (one block of heads) has ``lanes`` lanes."""
+    return 8 if lanes >= 4096 else 4
+
+
 @triton.jit
 def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
     """x * rstd * (w + weight_offset) rounded to OUT_DTYPE, back in fp32."""
@@ -61,10 +66,11 @@ def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
 @triton.jit
 def _full_width_rstd(X, stride_h, heads, eps, HB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      N_BLOCKS: tl.constexpr):
-    """1 / rms over all of a token's heads, summed HB heads at a time."""
+    """1 / rms over all of a token's heads, summed HB heads at a time (unrolled: every block's
+    load in flight at once, not one DRAM round trip a block)."""
     d = tl.arange(0, D_PAD)[None, :]
     acc = tl.zeros([HB, D_PAD], dtype=tl.float32)
-    for block in range(N_BLOCKS):
+    for block in tl.static_range(N_BLOCKS):
         h = block * HB + tl.arange(0, HB)[:, None]
         x = upcast(tl.load(X + h * stride_h + d, mask=(h < heads) & (d < D), other=0.0))
         acc += x * x
@@ -228,7 +234,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=8 if hb_q * d_pad >= 4096 else 4,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=num_warps_for(hb_q * d_pad),
         )
 
     launch_on_device(q, _launch)

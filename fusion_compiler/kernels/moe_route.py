@@ -29,7 +29,8 @@ reduction per round.
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
 GEMM (``_router_gemm_kernel``: tl.dot tiles, the hidden dim split so ~128 programs stream the
 router weight, fp32 partial sums) and the routing kernel, which sums them; or, up to
-``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last GEMM program sums them and routes.
+``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last T programs to finish sum them and route
+one token each.
 Qwen3.5's shared-expert gate ``sigmoid(hidden . gate_weight)`` rides along as GEMM column E.
 
 Math in fp32: sigmoid is ``1 / (1 + exp(-x))`` and softmax ``exp(x - max) / sum`` with
@@ -53,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER_BIT_CASTS
+from ._device import INTERPRETER, INTERPRETER_BIT_CASTS
 from ._device import downcast as _downcast
 from ._device import launch_on_device
 from ._device import round_trip as _round_trip
@@ -61,7 +62,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-8"
+KERNEL_VERSION = "moe_route-11"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,14 +94,6 @@ def _scores(x, row_max, total, SCORING: tl.constexpr):
         return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))
     else:
         return tl.math.div_rn(tl.exp(x - row_max), tl.full(x.shape, 0.0, tl.float32) + total)
-
-
-@triton.jit
-def _load_logits(ptrs, mask, CACHE_GLOBAL: tl.constexpr):
-    if CACHE_GLOBAL:  # written by other programs of this launch: read through L2, not L1
-        return _upcast(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"))
-    else:
-        return _upcast(tl.load(ptrs, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -138,9 +131,8 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         rounded = _downcast(x, LOGITS.dtype.element_ty)
         tl.store(row_base + e * stride_le, rounded, mask=lanes)
         x = _upcast(rounded)
-        tl.debug_barrier()  # the picked logits are gathered back from LOGITS below
     else:
-        x = _load_logits(row_base + e * stride_le, lanes, False)
+        x = _upcast(tl.load(row_base + e * stride_le, mask=lanes, other=0.0))
 
     row_max = tl.zeros([x.shape[0]], dtype=tl.float32)
     total = tl.zeros([x.shape[0]], dtype=tl.float32)
@@ -150,9 +142,10 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         p = tl.exp(xm - row_max[:, None, None])  # padded lanes: exp(-inf) = 0
         total = tl.sum(tl.sum(p, axis=2), axis=1)
     s = _scores(x, row_max[:, None, None], total[:, None, None], SCORING)
+    choice = s
     if HAS_BIAS:
-        s += tl.load(BIAS + e * stride_b, mask=valid, other=0.0).to(tl.float32)
-    key = tl.where(valid, _score_key(s, e, NP), _NO_KEY)
+        choice = s + tl.load(BIAS + e * stride_b, mask=valid, other=0.0).to(tl.float32)
+    key = tl.where(valid, _score_key(choice, e, NP), _NO_KEY)
 
     if N_GROUP > 1:
         first = tl.max(key, axis=2)  # [R, G_PAD]
@@ -165,7 +158,7 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         beats = beats & (gi[None, :, None] < N_GROUP)
         rank = tl.sum(beats.to(tl.int32), axis=1)  # [R, G_PAD]
         keep = (rank < TOPK_GROUP)[:, :, None]
-        key = tl.where(valid, _score_key(tl.where(keep, s, float("-inf")), e, NP), _NO_KEY)
+        key = tl.where(valid, _score_key(tl.where(keep, choice, float("-inf")), e, NP), _NO_KEY)
 
     kk = tl.arange(0, K_PAD)[None, :]
     ids = tl.zeros([x.shape[0], K_PAD], dtype=tl.int32)
@@ -174,9 +167,16 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         key = tl.where(key == best[:, None, None], _NO_KEY, key)
         ids = tl.where(kk == i, (NP - 1 - (best & (NP - 1))).to(tl.int32)[:, None], ids)
 
+    # The picked experts' unbiased scores, gathered from the registers (a shared-memory
+    # shuffle, not a round trip to L2): lane (group, j) holds expert group * GROUP_SIZE + j.
+    # The picked experts' unbiased scores, recomputed from their logits with the same formula
+    # (bit-identical to the in-register scores). Reloading the logits (L1 / L2; the partials path
+    # stored them above, so after a bar.sync) measured faster than one tl.gather from the
+    # registers (H200, session 6: 0.3-0.9 µs at 1 token; bench/NOTES.md).
     picked = row_mask[:, None] & (kk < TOP_K)
-    xk = _load_logits(LOGITS + rows[:, None] * stride_lt + ids * stride_le, picked, SPLIT > 0)
-    w = tl.where(picked, _scores(xk, row_max[:, None], total[:, None], SCORING), 0.0)
+    tl.debug_barrier()
+    xk = tl.load(LOGITS + rows[:, None] * stride_lt + ids * stride_le, mask=picked, other=0.0, cache_modifier=".cg")
+    w = tl.where(picked, _scores(_upcast(xk), row_max[:, None], total[:, None], SCORING), 0.0)
     if RENORMALIZE:
         w_sum = tl.sum(w, axis=1)
         w = tl.math.div_rn(w, tl.full(w.shape, 0.0, tl.float32) + (w_sum + renorm_eps)[:, None])
@@ -235,9 +235,29 @@ def _moe_route_kernel(
                     N_GROUP * GROUP_SIZE, SPLIT)
 
 
+@triton.jit
+def _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+               stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
+               stride_g, renorm_eps, scale,
+               SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+               G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
+               SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Sum the split partials of token ``row`` and route it (+ its shared-expert gate)."""
+    rows = row.to(tl.int64) + tl.arange(0, 1)
+    in_range = rows < T
+    out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, 1, BIAS, stride_b, renorm_eps, scale,
+                                PARTIALS, stride_ps, stride_pt, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
+                                G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT)
+    _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
+                  stride_it, stride_ik, TOP_K, K_PAD)
+    if HAS_GATE:
+        _store_gate(PARTIALS, GATE, rows, in_range, stride_ps, stride_pt, stride_g, E, SPLIT)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(
-    HIDDEN, ROUTER_W, GATE_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, DONE,
+    HIDDEN, ROUTER_W, GATE_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, COUNTERS,
     T, H, E,
     stride_ht, stride_we, stride_ps, stride_pt, stride_lt, stride_b,
     stride_wt, stride_wk, stride_it, stride_ik, stride_g,
@@ -246,8 +266,7 @@ def _router_gemm_kernel(
     K_STEPS: tl.constexpr,  # BLOCK_K steps per split of the hidden dim
     SPLIT: tl.constexpr,  # hidden-dim splits (grid axis 2)
     FP32_DOT: tl.constexpr,  # operands are not both bf16 / both fp16: fp32 dot, IEEE
-    ROUTE: tl.constexpr,  # the last program routes every token (all tokens in one BLOCK_T tile)
-    T_PAD: tl.constexpr,  # next_power_of_2(T): the rows the last program routes
+    ROUTE: tl.constexpr,  # the last T programs to finish route the T tokens (T <= BLOCK_T)
     HAS_GATE: tl.constexpr,  # GATE_W [1, H] is GEMM column E (Qwen's shared-expert gate)
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -255,9 +274,17 @@ def _router_gemm_kernel(
 ):
     """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
     router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
-    stores it to PARTIALS[s].  Without ROUTE, the routing kernel sums the splits.  With ROUTE
-    (few tokens), the last program to finish (a counter in DONE, acq_rel) sums them and routes,
-    and resets the counter for the next launch: the GEMM and the routing in one launch."""
+    stores it to PARTIALS[s].  Without ROUTE, the routing kernel sums the splits.
+
+    With ROUTE, the GEMM and the routing are one launch.  Each program counts itself done on
+    COUNTERS[0] (acq_rel).  The last T programs to arrive each route one token: token
+    (programs - 1 - arrival), after waiting until every program has arrived.  Only programs that
+    have finished their GEMM wait, and they are at most T - 1 <= 15, so the programs they wait
+    for always find a free slot on the GPU: no grid-wide co-residency is assumed.  The last one
+    to leave (COUNTERS[1]; at one token the only router, with no second atomic) zeroes both
+    counters for the next launch.  Triton's interpreter runs
+    programs one after another, where a waiting program would never be joined, so there the
+    last program routes the tokens in turn."""
     pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ex = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -279,21 +306,31 @@ def _router_gemm_kernel(
 
     if ROUTE:
         # Every thread's partials are stored before the counter moves (bar.sync, then a
-        # gpu-scope release); the last program's acquire makes all of them visible to it.
+        # gpu-scope release); the routers' acquires make all of them visible to them.
         tl.debug_barrier()
-        done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
-            # T_PAD rows, not BLOCK_T: a 16-row tile at 1 token cost ~20 us (bench/NOTES.md).
-            rows = tl.arange(0, T_PAD).to(tl.int64)
-            out_w, out_id = _route_rows(LOGITS, rows, rows < T, stride_lt, 1, BIAS, stride_b,
-                                        renorm_eps, scale, PARTIALS, stride_ps, stride_pt,
-                                        GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K, G_PAD, GS_PAD,
-                                        K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT)
-            _store_routes(WEIGHTS, IDS, rows, rows < T, out_w, out_id, stride_wt, stride_wk,
-                          stride_it, stride_ik, TOP_K, K_PAD)
-            if HAS_GATE:
-                _store_gate(PARTIALS, GATE, rows, rows < T, stride_ps, stride_pt, stride_g, E, SPLIT)
-            tl.store(DONE, 0)
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        arrival = tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu")
+        if INTERPRETER:
+            if arrival == programs - 1:
+                for row in tl.static_range(BLOCK_T):
+                    _route_row(tl.full([], row, tl.int32), PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+                               stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
+                               stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
+                               TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
+                tl.store(COUNTERS, 0)
+        elif arrival >= programs - T:
+            seen = arrival + 1
+            while seen < programs:
+                seen = tl.atomic_add(COUNTERS, 0, sem="acquire", scope="gpu")
+            _route_row(programs - 1 - arrival, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+                       stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
+                       stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
+                       TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
+            if T == 1:  # the only router: nobody else reads the counter
+                tl.store(COUNTERS, 0)
+            elif tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel", scope="gpu") == T - 1:
+                tl.store(COUNTERS, 0)
+                tl.store(COUNTERS + 1, 0)
 
 
 def launch_config(experts: int, n_group: int, top_k: int) -> tuple[int, int, int, int]:
@@ -307,16 +344,16 @@ def launch_config(experts: int, n_group: int, top_k: int) -> tuple[int, int, int
     return g_pad, gs_pad, triton.next_power_of_2(top_k), num_warps
 
 
-# Up to this many tokens the router GEMM and the routing are one launch (the GEMM's last program
-# routes); above it, the GEMM launch writes partial sums and the routing kernel (one program per
-# token) sums them: two launches.  The fused launch takes at most one token tile (BLOCK_T 16).
-# 1 from the H200 (moe_route-7, session 4, results/moe_router_check_h200.json, µs in CUDA graphs,
-# DeepSeek / MiniMax / Qwen3.5): one launch 7.96 / 7.24 / 9.20 at 1 token against two launches'
-# 8.69 / 7.29 / 10.05; at 2 tokens 8.73 / 8.28 / 10.33 against 8.79 / 7.20 / 10.66; at 4 tokens
-# 9.9 / 8.8 / 13.3 against 8.7 / 7.3 / 10.0, and 29.8 / 23.8 / 36.1 at 16.  The last program
-# routes its rows as one [next_power_of_2(T), E] tile after every GEMM program is done, so its
-# tail grows with the tokens while two launches route one token per program.
-FUSED_GEMM_MAX_TOKENS = 1
+# Up to this many tokens the router GEMM and the routing are one launch (the last programs of the
+# GEMM route, one token each); above it, the GEMM launch writes partial sums and the routing
+# kernel (one program per token) sums them: two launches.  At most one token tile (BLOCK_T 16).
+# History (H200, µs in CUDA graphs, DeepSeek / MiniMax / Qwen3.5, bench/NOTES.md): moe_route-7's
+# one launch routed every token in its single last program, 7.96 / 7.24 / 9.20 at 1 token against
+# two launches' 8.69 / 7.29 / 10.05, but 29.8 / 23.8 / 36.1 at 16, so it shipped at 1 token only.
+# moe_route-9 on routes the tokens in parallel (the last T programs to finish): moe_route-11 one
+# launch 7.17 / 6.06 / 8.83 at 1 token, 8.13 / 6.94 / 9.66 at 2, against two launches'
+# 8.3-9.4 / 6.8-7.5 / 10.4-11.3 at 1-16 tokens (session 6).
+FUSED_GEMM_MAX_TOKENS = 16
 _TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the router weight
 _MAX_SPLIT = 8
 
@@ -324,7 +361,8 @@ _MAX_SPLIT = 8
 def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, SPLIT, num_warps) of the router GEMM launch.
 
-    tl.dot needs tiles of at least 16, so a decode step pads its tokens to 16; the hidden dim is
+    tl.dot needs tiles of at least 16, so a decode step pads its tokens to 16 (a GEMV at one
+    token measured slower for DeepSeek's and Qwen's widths, bench/NOTES.md); the hidden dim is
     split until there are about _TARGET_PROGRAMS programs, each reading its weight tile once."""
     block_t = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
     block_e, block_k = 16, 64
@@ -409,26 +447,26 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
     launch_on_device(logits, _launch)
 
 
-# One completion counter per device. The GEMM-fused launch's last program resets it to zero, so
-# it is allocated (zeroed) once, outside any CUDA-graph capture, and every later launch, in a
-# graph or not and on whichever stream, finds it at zero. Launches on one device must not
-# overlap in time (two streams routing concurrently would share the counter).
-_DONE_COUNTERS: dict[int, torch.Tensor] = {}
+# One pair of counters per device (arrivals, routers done). The GEMM-fused launch's last router
+# resets them to zero, so they are allocated (zeroed) once, outside any CUDA-graph capture, and
+# every later launch, in a graph or not and on whichever stream, finds them at zero. Launches on
+# one device must not overlap in time (two streams routing concurrently would share them).
+_COUNTERS: dict[int, torch.Tensor] = {}
 
 
-def _done_counter(device: torch.device) -> torch.Tensor:
+def _counters(device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return torch.zeros(2, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    counter = _DONE_COUNTERS.get(index)
-    if counter is None:
+    counters = _COUNTERS.get(index)
+    if counters is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "fusion_compiler.moe_router: its first call on this device is inside CUDA-graph capture; "
-                "run it once before capturing (its completion counter must be zeroed outside the graph)"
+                "run it once before capturing (its completion counters must be zeroed outside the graph)"
             )
-        counter = _DONE_COUNTERS[index] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+        counters = _COUNTERS[index] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
 
 
 def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -486,7 +524,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE
     gate_arg = gate if has_gate else logits
     stride_g = gate.stride(0) if has_gate else 0
-    done = _done_counter(hidden.device) if fused else partials  # dummy when not fused
+    counters = _counters(hidden.device) if fused else partials  # dummy when not fused
     bias_arg = bias if bias is not None else logits
     stride_b = bias.stride(0) if bias is not None else 0
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
@@ -494,14 +532,14 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
 
     def _launch():
         _router_gemm_kernel[grid](
-            hidden, router_weight, gate_w_arg, partials, logits, bias_arg, weights, ids, gate_arg, done,
+            hidden, router_weight, gate_w_arg, partials, logits, bias_arg, weights, ids, gate_arg, counters,
             tokens, hid, experts,
             hidden.stride(0), router_weight.stride(0), partials.stride(0), partials.stride(1),
             logits.stride(0), stride_b,
             weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), stride_g,
             float(named["renorm_eps"]), float(named["scale"]),
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
-            FP32_DOT=fp32_dot, ROUTE=fused, T_PAD=triton.next_power_of_2(tokens) if fused else 1,
+            FP32_DOT=fp32_dot, ROUTE=fused,
             HAS_GATE=has_gate, num_warps=num_warps, **meta,
         )
         if not fused:

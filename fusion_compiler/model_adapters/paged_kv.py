@@ -1,6 +1,7 @@
 """The pieces of a serving engine's GQA decode step that the MiniMax-M2.5 and Qwen3.5 references
 share: the RoPE cos/sin table, partial NeoX RoPE, the paged KV cache (write, read, per-sequence
-context) and decode attention over that cache.
+context) and decode attention over that cache; and what every reference decode step shares
+(DeepSeek V3.2's too): a shuffled block table, each sequence's padded context, random inputs.
 
 These are *model code*: the compiler's patterns are written against the op sequences below (the
 torch calls, in this order), so a change of spelling here is a change of what gets matched.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 FP8 = torch.float8_e4m3fn
 
@@ -108,6 +110,16 @@ def context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: in
     return slots, pos[None, :] < seq_lens[:, None]
 
 
+def padded_context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+    """(context_slots [B, blocks * block_size], context_valid) of each sequence: every position its
+    block table can hold, so the shapes do not depend on the lengths (no host sync, one compiled
+    graph and one CUDA graph for every length, as serving engines size their decode metadata)."""
+    width = block_table.shape[1] * block_size
+    pos = torch.arange(width, device=block_table.device)
+    slots = block_table[:, pos // block_size] * block_size + pos % block_size
+    return slots, pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+
+
 def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid, num_kv_heads):
     """Decode attention in fp32: q [T, heads, D], token t the last token of sequence t, attending
     to ``context_slots[t]`` (its sequence's slots, the new one included, padded where
@@ -122,3 +134,84 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots,
     scores = torch.einsum("thd,tchd->thc", q.float(), keys) * head_dim**-0.5
     scores = scores.masked_fill(~context_valid[:, None, :], float("-inf"))
     return torch.einsum("thc,tchd->thd", scores.softmax(-1), values)
+
+
+class DecodeStack(nn.Module):
+    """Decoder layers over paged K/V caches, one decode token per sequence: layer i reads
+    ``(hidden, residual)``, attends through ``k_caches[i]`` / ``v_caches[i]`` and returns the
+    next pair (vLLM's residual stream: each layer's first add + norm takes the previous layer's
+    output and residual). Owns the RoPE table. Returns ``hidden + residual`` of the last layer."""
+
+    def __init__(self, cfg: AttentionConfig, layers):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(layers)
+        table = rope_cos_sin_cache(cfg.rotary_dim, cfg.rope_theta, cfg.max_position)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    def forward(self, hidden, residual, positions, slots, block_table, seq_lens, k_caches, v_caches,
+                k_scale: float = 1.0, v_scale: float = 1.0):  # fmt: skip
+        context_slots, context_valid = padded_context_of(block_table, seq_lens, self.cfg.block_size)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            hidden, residual = layer(hidden, residual, self.cos_sin_cache, positions, slots, k_cache, v_cache,
+                                     k_scale, v_scale, context_slots, context_valid)  # fmt: skip
+        return hidden + residual
+
+
+# ------------------------------------------------------------------------------------------
+# Random decode steps
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReferenceStep:
+    """Inputs of one decode step, as keyword arguments of a reference model's ``forward``.
+    List-valued arguments are the per-layer caches and states, which the step writes."""
+
+    kwargs: dict
+
+    def caches(self) -> list[torch.Tensor]:
+        return [t for v in self.kwargs.values() if isinstance(v, list) for t in v]
+
+    def clone(self) -> ReferenceStep:
+        return ReferenceStep({k: _map_tensors(v, torch.Tensor.clone) for k, v in self.kwargs.items()})
+
+    def to(self, device) -> ReferenceStep:
+        return ReferenceStep({k: _map_tensors(v, lambda t: t.to(device)) for k, v in self.kwargs.items()})
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, list):
+        return [fn(t) for t in value]
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+def random_block_table(tokens: int, context: int, block_size: int, gen: torch.Generator) -> tuple[int, dict]:
+    """``tokens`` sequences of ``context`` cached tokens each, their blocks shuffled over a pool
+    two blocks larger than they need, each decoding its next token at position ``context`` (its
+    slot is written this step). Returns (num_blocks, {positions, slots, block_table, seq_lens})."""
+    blocks_per_seq = -(-(context + 1) // block_size)
+    num_blocks = tokens * blocks_per_seq + 2
+    block_table = torch.randperm(num_blocks, generator=gen)[: tokens * blocks_per_seq].view(tokens, blocks_per_seq)
+    return num_blocks, {
+        "positions": torch.full((tokens,), context, dtype=torch.long),
+        "slots": block_table[:, context // block_size] * block_size + context % block_size,
+        "block_table": block_table,
+        "seq_lens": torch.full((tokens,), context + 1, dtype=torch.long),
+    }
+
+
+def random_kv_step(cfg: AttentionConfig, num_layers: int, tokens: int, context: int, dtype: torch.dtype,
+                   gen: torch.Generator) -> dict:  # fmt: skip
+    """The kwargs of a decode step through ``num_layers`` GQA layers (on CPU): random hidden and
+    residual [tokens, hidden], the block table's tensors, and per layer a K and a V cache full of
+    random values (so unwritten slots are recognisable)."""
+    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen)
+    shape = (num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "hidden": torch.randn(tokens, cfg.hidden_size, generator=gen).to(dtype),
+        "residual": torch.randn(tokens, cfg.hidden_size, generator=gen).to(dtype),
+        **table,
+        "k_caches": [torch.randn(shape, generator=gen).to(cfg.cache_dtype) for _ in range(num_layers)],
+        "v_caches": [torch.randn(shape, generator=gen).to(cfg.cache_dtype) for _ in range(num_layers)],
+    }

@@ -164,4 +164,4 @@ def test_counters_are_left_at_zero(block_v, split):
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-6"
+    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-7"

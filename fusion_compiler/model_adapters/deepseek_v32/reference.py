@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from ..paged_kv import ReferenceStep, padded_context_of, random_block_table
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -269,7 +272,7 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The attention half of a DeepSeek V3.2 decoder layer (the MoE half is issue 4's)."""
+    """The attention half of a DeepSeek V3.2 decoder layer (decode_layer.py adds the MoE half)."""
 
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
@@ -286,16 +289,18 @@ class DecoderLayer(nn.Module):
 
 
 class ReferenceModel(nn.Module):
-    """A stack of attention halves over paged caches: one decode token per sequence."""
+    """A stack of ``cfg.num_layers`` layers over paged caches: one decode token per sequence.
+    ``make_layer()`` builds each layer (default: the attention half, ``DecoderLayer(cfg)``)."""
 
-    def __init__(self, cfg: ReferenceConfig):
+    def __init__(self, cfg: ReferenceConfig, make_layer: Callable[[], nn.Module] | None = None):
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        make_layer = make_layer or (lambda: DecoderLayer(cfg))
+        self.layers = nn.ModuleList(make_layer() for _ in range(cfg.num_layers))
         self.register_buffer("cos_sin_cache", yarn_cos_sin_cache(cfg), persistent=False)
 
     def forward(self, hidden, residual, positions, slots, block_table, seq_lens, latent_caches, index_caches):
-        context_slots, context_valid = _context(block_table, seq_lens, self.cfg.block_size)
+        context_slots, context_valid = padded_context_of(block_table, seq_lens, self.cfg.block_size)
         for layer, latent_cache, index_cache in zip(self.layers, latent_caches, index_caches):
             hidden, residual = layer(
                 hidden, residual, self.cos_sin_cache, positions, slots, latent_cache, index_cache,
@@ -315,14 +320,6 @@ def expected_sites(model: ReferenceModel, prefix: str = "") -> dict[str, dict[st
         norms[f"{layer}.input_layernorm"] = 1
         norms[f"{layer}.self_attn.q_a_layernorm"] = 1
     return {"mla_prologue": mla, "add_rms_norm": norms}
-
-
-def _context(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
-    """Slot of every context position of every sequence, and which positions are real."""
-    width = block_table.shape[1] * block_size
-    pos = torch.arange(width, device=block_table.device)
-    slots = block_table[:, pos // block_size] * block_size + pos % block_size
-    return slots, pos.unsqueeze(0) < seq_lens.unsqueeze(1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -349,29 +346,11 @@ def build(cfg: ReferenceConfig, device="cpu", seed: int = 0) -> ReferenceModel:
     return model.to(device)
 
 
-@dataclasses.dataclass
-class ReferenceStep:
-    """Inputs of one decode step: ``tokens`` sequences, each with ``context`` cached tokens."""
-
-    kwargs: dict
-
-    def caches(self) -> list[torch.Tensor]:
-        return [*self.kwargs["latent_caches"], *self.kwargs["index_caches"]]
-
-    def clone(self) -> ReferenceStep:
-        kwargs = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in self.kwargs.items()}
-        return ReferenceStep(kwargs)
-
-
 def make_step(cfg: ReferenceConfig, tokens: int = 2, context: int = 6, device="cpu", seed: int = 1) -> ReferenceStep:
     """Caches full of random bytes (so unwritten slots are recognisable), a shuffled block table,
     and the new token of each sequence at position ``context`` (its slot is written this step)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = -(-(context + 1) // cfg.block_size)
-    num_blocks = tokens * blocks_per_seq + 2
-    block_table = torch.randperm(num_blocks, generator=gen)[: tokens * blocks_per_seq].view(tokens, blocks_per_seq)
-    positions = torch.full((tokens,), context, dtype=torch.long)
-    slots = block_table[:, context // cfg.block_size] * cfg.block_size + context % cfg.block_size
+    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen)
     row, dtype = cfg.latent_row()
 
     def random_cache(width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -384,14 +363,11 @@ def make_step(cfg: ReferenceConfig, tokens: int = 2, context: int = 6, device="c
     kwargs = {
         "hidden": torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch.bfloat16),
         "residual": torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch.bfloat16),
-        "positions": positions,
-        "slots": slots,
-        "block_table": block_table,
-        "seq_lens": torch.full((tokens,), context + 1, dtype=torch.long),
+        **table,
         "latent_caches": [random_cache(row, dtype) for _ in range(cfg.num_layers)],
         "index_caches": [random_cache(cfg.index_head_dim + 4, torch.uint8) for _ in range(cfg.num_layers)],
     }
-    return ReferenceStep({k: (v.to(device) if isinstance(v, torch.Tensor) else [t.to(device) for t in v]) for k, v in kwargs.items()})
+    return ReferenceStep(kwargs).to(device)
 
 
 def _finite_random_bytes(rows: int, width: int, cfg: ReferenceConfig, gen) -> torch.Tensor:

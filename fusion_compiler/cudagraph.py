@@ -1,0 +1,273 @@
+"""One CUDA graph per decode step and batch bucket, around a compiled graph.
+
+The backend wraps each graph Inductor compiles for CUDA inputs in a :class:`StepGraphs`
+(``FusionConfig(cudagraphs=True)``, the default). Each call picks a *bucket*, the smallest of
+``FusionConfig.cudagraph_buckets`` that holds the step's batch, copies the batch inputs into that
+bucket's static buffers and replays its graph: the whole step, every layer's kernels, in one
+``cudaGraphLaunch``.
+
+What is a batch input, and how rows are padded:
+
+* The batch inputs are the graph inputs whose leading dim is a symbol of Dynamo's dynamic shapes
+  (hidden states, positions, slot mappings, block tables...). Each call's batch size B is their
+  leading size, which must be the same for all of them.
+* Padding needs slot-indexed state, as serving engines keep it. Rows B..bucket-1 of the inputs
+  named in ``FusionConfig.cudagraph_slot_inputs`` (``slots``, ``slot_mapping``, ``state_slots``,
+  ...) are -1: our ops write no cache or state row for slot -1, so a padded row writes nothing,
+  and every op of a decode step is row-wise, so a padded row (zeros elsewhere; its attention may
+  be NaN) cannot leak into real rows. A graph with no slot inputs (HF's static cache) is captured
+  per exact batch size instead: there, a padded row would write state.
+* Every other input (parameters, caches, tables) is used in place: the graph records its address.
+  Parameters are trusted to stay put. Any other tensor input whose address changes between calls
+  (an activation of a graph compiled before the batch became dynamic, say) is from then on copied
+  into a static buffer of its own, and the bucket recaptures (logged). An input that moves *and*
+  is mutated by the step would then be mutated in the copy: pass caches and states in place.
+
+A bucket's first call runs the compiled graph uncaptured on its padded static buffers (the
+warm-up: Triton compiles, Inductor autotunes, our kernels size their counters); the second
+captures and replays. So each step runs exactly once. Batches above the largest bucket, calls
+while another capture is in progress (a caller capturing this step into its own graph), and
+graphs with no batch inputs whose shapes change, run uncaptured. Outputs are views of the
+bucket's static outputs: valid until the next call, as with ``torch.compile(mode=
+"reduce-overhead")``. All buckets share one memory pool.
+
+Nothing in a captured step may sync the host; a graph break splits the step into several
+compiled graphs, each wrapped on its own (``StepGraphs.report`` and ``inspect`` show the count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+
+import torch
+
+log = logging.getLogger("fusion_compiler")
+
+# Dynamo names a placeholder after the argument it came from: L_slots_, L_state_slots_, ...
+_PLACEHOLDER_NAME = re.compile(r"^l_(?P<name>.*?)_*$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputPlan:
+    """What each flat input of a compiled graph is, read from Dynamo's placeholders."""
+
+    batch: tuple[int, ...]  # tensor inputs with a symbolic leading dim
+    slots: tuple[int, ...]  # the batch inputs padded with -1
+    batch_sizes: tuple[int, ...]  # SymInt inputs that are a batch symbol: set to the bucket
+    movable: tuple[int, ...]  # other tensor inputs, not parameters: their address is checked
+    batch_outputs: tuple[int, ...]  # outputs with a batch-symbol leading dim: sliced to B
+
+    @property
+    def pads(self) -> bool:
+        return bool(self.slots)
+
+
+def plan_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence, slot_names: Sequence[str]) -> InputPlan:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    batch_symbols = {
+        v.shape[0].node.expr
+        for v in values
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt)
+    }
+    batch, slots, sizes, movable = [], [], [], []
+    for i, (node, value) in enumerate(zip(placeholders, values)):
+        if isinstance(value, torch.SymInt):
+            if value.node.expr in batch_symbols:
+                sizes.append(i)
+        elif isinstance(value, torch.Tensor):
+            if value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
+                batch.append(i)
+                match = _PLACEHOLDER_NAME.match(node.name)
+                if match and match.group("name").lower() in slot_names:
+                    slots.append(i)
+            elif i < len(example_inputs) and not isinstance(example_inputs[i], torch.nn.Parameter):
+                movable.append(i)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat_outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    batch_outputs = []
+    for j, out in enumerate(flat_outputs):
+        value = out.meta.get("example_value", out.meta.get("val")) if isinstance(out, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
+            if value.shape[0].node.expr in batch_symbols:
+                batch_outputs.append(j)
+    return InputPlan(tuple(batch), tuple(slots), tuple(sizes), tuple(movable), tuple(batch_outputs))
+
+
+def kernel_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
+    """Kernel nodes of a captured graph (``enable_debug_mode`` before capture), from CUDA's own
+    DOT dump of it; None when the dump is not available."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.dot")
+        try:
+            graph.debug_dump(path)
+            with open(path) as f:
+                dot = f.read()
+        except (RuntimeError, OSError) as error:
+            log.debug("no CUDA-graph dump: %s", error)
+            return None
+    return count_kernel_nodes(dot)
+
+
+def count_kernel_nodes(dot: str) -> int:
+    """Kernel nodes in a cudaGraphDebugDotPrint dump: node statements whose label names a
+    kernel node (CUDA labels them with the node type, e.g. ``KERNEL`` and the function)."""
+    nodes = re.findall(r'^\s*"?[\w.]+"?\s*\[(.*)\]\s*;?\s*$', dot, flags=re.MULTILINE)
+    return sum(1 for attrs in nodes if re.search(r"\bKERNEL\b", attrs))
+
+
+@dataclasses.dataclass
+class _Bucket:
+    rows: int
+    args: list  # the static inputs the graph reads
+    addresses: dict[int, int]  # movable input -> data_ptr at capture
+    dirty_rows: int = 0  # rows of the static batch buffers that may hold a real row
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: object = None
+    kernel_nodes: int | None = None
+
+
+class StepGraphs:
+    """A compiled graph (flat inputs -> outputs) replayed from one CUDA graph per bucket."""
+
+    def __init__(self, compiled: Callable, plan: InputPlan, buckets: Sequence[int], name: str = "graph"):
+        self.compiled = compiled
+        self.plan = plan
+        self.buckets = tuple(sorted(set(buckets)))
+        self.name = name
+        self.pool = None
+        self._buckets: dict[tuple, _Bucket] = {}
+        self.copied: set[int] = set()  # non-batch inputs copied into static buffers (they moved)
+        self.capture_error: str | None = None
+        self.uncaptured_calls = 0
+        self.recaptures = 0
+
+    # -- what a call needs ------------------------------------------------------------------
+    def _batch(self, args: Sequence) -> int | None:
+        sizes = {args[i].shape[0] for i in self.plan.batch}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def _key(self, args: Sequence, rows: int) -> tuple:
+        batch = set(self.plan.batch) | set(self.plan.batch_sizes)
+        shapes = tuple(
+            (tuple(a.shape[1:]) if i in batch else tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor)
+            else (a if i not in batch else None)
+            for i, a in enumerate(args)
+        )  # fmt: skip
+        return (rows, shapes)
+
+    def _rows(self, batch: int | None) -> int | None:
+        if not self.plan.batch:
+            return 0
+        if batch is None:
+            return None
+        if not self.plan.pads:
+            return batch if batch <= self.buckets[-1] else None
+        return next((b for b in self.buckets if b >= batch), None)
+
+    # -- the call ---------------------------------------------------------------------------
+    def __call__(self, *args):
+        args = list(args)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # be part of the caller's graph
+            return self.compiled(*args)
+        batch = self._batch(args) if self.plan.batch else 0
+        rows = self._rows(batch)
+        if rows is None or self.capture_error:
+            self.uncaptured_calls += 1
+            return self.compiled(*args)
+        key = self._key(args, rows)
+        bucket = self._buckets.get(key)
+        moved = [] if bucket is None else [i for i, at in bucket.addresses.items() if args[i].data_ptr() != at]
+        if moved:
+            # A fresh tensor each step (an activation of a graph without dynamic batch, say):
+            # from now on it is copied into a static buffer like the batch inputs.
+            log.info("fusion_compiler: %s: inputs %s moved since the %d-row graph was made; copying them from now on",
+                     self.name, moved, rows)
+            self.copied.update(moved)
+            self.recaptures += 1
+        if bucket is None or moved:  # warm-up: run once on new static buffers, uncaptured
+            bucket = self._buckets[key] = self._new_bucket(args, rows)
+            self._load(bucket, args, batch)
+            return self._slice(self.compiled(*bucket.args), batch, rows)
+        self._load(bucket, args, batch)
+        if bucket.graph is None and not self._capture(bucket):
+            self.uncaptured_calls += 1
+            return self._slice(self.compiled(*bucket.args), batch, rows)
+        bucket.graph.replay()
+        return self._slice(bucket.outputs, batch, rows)
+
+    def _new_bucket(self, args: list, rows: int) -> _Bucket:
+        static = list(args)
+        for i in self.plan.batch:
+            a = args[i]
+            static[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
+            static[i].fill_(-1 if i in self.plan.slots else 0)
+        for i in self.copied:
+            static[i] = torch.empty_like(args[i])
+        for i in self.plan.batch_sizes:
+            static[i] = rows
+        addresses = {i: args[i].data_ptr() for i in self.plan.movable if i not in self.copied}
+        return _Bucket(rows, static, addresses)
+
+    def _load(self, bucket: _Bucket, args: list, batch: int) -> None:
+        """Copy the real rows (and the copied inputs) in; re-pad rows a larger batch left behind."""
+        for i in self.plan.batch:
+            buffer = bucket.args[i]
+            buffer[:batch].copy_(args[i])
+            if bucket.dirty_rows > batch:
+                buffer[batch : bucket.dirty_rows].fill_(-1 if i in self.plan.slots else 0)
+        for i in self.copied:
+            bucket.args[i].copy_(args[i])
+        bucket.dirty_rows = batch
+
+    def _capture(self, bucket: _Bucket) -> bool:
+        """Capture the bucket's step (nothing runs); False, logged and reported, if the step
+        cannot be captured (a host sync, a CPU op): this graph then runs uncaptured."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        graph.enable_debug_mode()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.compiled(*bucket.args)
+        except RuntimeError as error:  # torch raises the CUDA capture errors as RuntimeError
+            self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            log.warning("fusion_compiler: %s cannot be captured in a CUDA graph; it runs uncaptured: %s",
+                        self.name, self.capture_error)
+            torch.cuda.synchronize()
+            return False
+        bucket.graph, bucket.outputs = graph, outputs
+        bucket.kernel_nodes = kernel_nodes(graph)
+        log.info("fusion_compiler: %s: captured the %d-row step: %s kernel nodes", self.name, bucket.rows,
+                 bucket.kernel_nodes)
+        return True
+
+    def _slice(self, outputs, batch: int, rows: int):
+        if batch == rows or not self.plan.batch_outputs:
+            return outputs
+        sliced = list(outputs)
+        for j in self.plan.batch_outputs:
+            sliced[j] = sliced[j][:batch]
+        return type(outputs)(sliced) if isinstance(outputs, tuple) else sliced
+
+    # -- what happened ----------------------------------------------------------------------
+    def report(self) -> dict:
+        """Graphs captured, per bucket the kernel nodes read from the captured graph, calls that
+        ran uncaptured, recaptures."""
+        captured = [b for b in self._buckets.values() if b.graph is not None]
+        return {
+            "name": self.name,
+            "graphs": len(captured),
+            "kernel_nodes_by_rows": {b.rows: b.kernel_nodes for b in sorted(captured, key=lambda b: b.rows)},
+            "padded_with_slots": self.plan.pads,
+            "uncaptured_calls": self.uncaptured_calls,
+            "recaptures": self.recaptures,
+            "copied_inputs": sorted(self.copied),
+            "capture_error": self.capture_error,
+        }

@@ -1,0 +1,218 @@
+"""The reference decode layers (model_adapters/*/decode_layer.py and moe.py), tiny, on CPU.
+
+- Every model's 1- and 2-layer stacks (Qwen3.5: each layer kind alone, twice, and one of each)
+  run eagerly, with the routed experts computed and stubbed: finite outputs, every cache and
+  state written; the same seed builds the same weights.
+- The routed-experts op equals a loop over tokens and experts in fp32 (bf16 tolerance); the
+  stub returns zeros; each stays one opaque node per layer in the graph Inductor receives.
+- Under the fusion backend (strict), a 1-layer stack of each model (Qwen3.5: one layer of each
+  kind) fuses every expected site; outputs and caches match eager, and the compiled code calls
+  the experts op once per layer, as eager does.
+- REAL configs, built on the meta device: the weight bytes of one layer (the GPU run's sizing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusion_compiler as fc
+from fusion_compiler.model_adapters import moe
+from fusion_compiler.model_adapters.deepseek_v32 import decode_layer as deepseek
+from fusion_compiler.model_adapters.minimax_m2 import decode_layer as minimax
+from fusion_compiler.model_adapters.qwen35 import decode_layer as qwen
+from fusion_compiler.verify import relative_error
+
+LINEAR, FULL = qwen.LAYER_KINDS
+MODELS = {"deepseek": deepseek, "minimax": minimax, "qwen": qwen}
+EXPERTS_OP = torch.ops.fusion_compiler_ref.routed_experts.default
+ZEROS_OP = torch.ops.fusion_compiler_ref.routed_experts_zeros.default
+
+
+def _build(name: str, layers, experts: str = "compute", seed: int = 0):
+    """layers: a layer count, or Qwen3.5's list of layer kinds."""
+    return MODELS[name].build(MODELS[name].TINY, layers, experts=experts, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------
+# Eager
+# ------------------------------------------------------------------------------------------
+
+STACKS = [("deepseek", 1), ("deepseek", 2), ("minimax", 1), ("minimax", 2), ("qwen", [LINEAR]), ("qwen", [FULL]),
+          ("qwen", [LINEAR, LINEAR]), ("qwen", [FULL, FULL]), ("qwen", [LINEAR, FULL])]  # fmt: skip
+
+
+@pytest.mark.parametrize("experts", moe.EXPERTS_MODES)
+@pytest.mark.parametrize("name, layers", STACKS)
+def test_stack_runs_eagerly_and_writes_every_cache(name, layers, experts):
+    model = _build(name, layers, experts)
+    step = MODELS[name].make_step(model, tokens=3)
+    before = step.clone()
+    with torch.no_grad():
+        out = model(**step.kwargs)
+    assert out.shape == (3, model.cfg.hidden_size) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert len(step.caches()) == 2 * len(model.layers)  # K and V, latent and index, or conv and recurrent
+    for written, pristine in zip(step.caches(), before.caches()):
+        assert not torch.equal(written, pristine)
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    weights = [_build("qwen", [LINEAR, FULL], seed=s).state_dict() for s in (0, 0, 1)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    experts = "layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(weights[0][experts], weights[2][experts])
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="experts must be one of"):
+        _build("minimax", 1, experts="none")
+    with pytest.raises(ValueError, match="layer kind"):
+        _build("qwen", ["mamba"])
+    with pytest.raises(ValueError, match="num_layers"):
+        _build("deepseek", 0)
+    with pytest.raises(ValueError, match="bf16"):
+        deepseek.build(deepseek.TINY, 1, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# The experts op
+# ------------------------------------------------------------------------------------------
+
+
+def _experts_loop(hidden, ids, weights, gate_up_proj, down_proj):
+    """The routed experts, one token and one expert at a time, in fp32."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            gate, up = (gate_up_proj[e].float() @ hidden[t].float()).chunk(2)
+            out[t] += weights[t, k].float() * (down_proj[e].float() @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])  # sigmoid routers' / softmax's
+def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype):
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden_size, experts, top_k, inter = 3, 64, 6, 2, 32
+    hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).to(weights_dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=gen) * hidden_size**-0.5).bfloat16()
+    down = (torch.randn(experts, hidden_size, inter, generator=gen) * inter**-0.5).bfloat16()
+    out = torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights, gate_up, down)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, _experts_loop(hidden, ids, weights, gate_up, down)) < 1e-2
+    with pytest.raises(ValueError, match="both \\[T, top_k\\]"):
+        torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights[:, :1], gate_up, down)
+
+
+def test_zero_experts_return_zeros_and_hold_no_weights():
+    model = _build("minimax", 1, experts="zeros")
+    block = model.layers[0].mlp
+    assert list(block.experts.parameters()) == []
+    x = torch.randn(3, minimax.TINY.moe.hidden_size).bfloat16()
+    with torch.no_grad():
+        out = block(x)  # MiniMax has no shared expert: the block is the routed experts alone
+    assert out.dtype == x.dtype and torch.equal(out, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("experts, op", [("compute", EXPERTS_OP), ("zeros", ZEROS_OP)])
+def test_experts_stay_one_opaque_node_per_layer(experts, op):
+    """The graph Inductor lowers (Dynamo's, after AOT with Inductor's decompositions) calls the op
+    once per layer and has no expert GEMM of its own: every mode runs the op's own kernels."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _build("minimax", 2, experts)
+    step = minimax.make_step(model)
+    backend = aot_autograd(fw_compiler=capture, decompositions=select_decomp_table())
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(**step.kwargs)
+    [graph] = graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target in (EXPERTS_OP, ZEROS_OP)]
+    assert [n.target for n in calls] == [op, op]
+    batched_gemms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    assert len(batched_gemms) == 2 * 2  # the attention's two einsums per layer; no expert GEMM
+
+
+# ------------------------------------------------------------------------------------------
+# Fusion
+# ------------------------------------------------------------------------------------------
+
+FUSED_STACKS = {"deepseek": 1, "minimax": 1, "qwen": [LINEAR, FULL]}
+
+
+@pytest.fixture(scope="module", params=sorted(FUSED_STACKS))
+def fused_run(request):
+    from torch._inductor.utils import run_and_get_code
+
+    name = request.param
+    model = _build(name, FUSED_STACKS[name])
+    expected = MODELS[name].expected_sites(model)
+    step = MODELS[name].make_step(model, tokens=2)
+    eager_step, fused_step = step.clone(), step.clone()
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(**eager_step.kwargs)
+        compiled = torch.compile(model, backend=backend)
+        fused, code = run_and_get_code(lambda: compiled(**fused_step.kwargs))
+    return dict(model=model, expected=expected, report=backend.report, eager=eager, fused=fused, code="\n".join(code),
+                eager_caches=eager_step.caches(), fused_caches=fused_step.caches())  # fmt: skip
+
+
+def test_every_expected_site_fuses(fused_run):
+    report, expected = fused_run["report"], fused_run["expected"]
+    assert report.misses() == [] and report.missing_expected() == [], report.format()
+    layers = len(fused_run["model"].layers)
+    assert len(expected["moe_routing"]) == layers and len(expected["add_rms_norm"]) >= 2 * layers
+    for family, modules in expected.items():
+        assert report.per_module(family) == modules, (family, report.format())
+
+
+def test_compiled_step_matches_eager(fused_run):
+    # Measured: outputs 2.7e-3 (DeepSeek), 3.6e-3 (MiniMax), 5.1e-3 (Qwen3.5); caches <= 1.6e-3.
+    assert relative_error(fused_run["fused"], fused_run["eager"]) < 1e-2
+    for fused, eager in zip(fused_run["fused_caches"], fused_run["eager_caches"]):
+        if eager.dtype == torch.uint8:  # DeepSeek's FP8 latent and indexer rows: the same bytes
+            assert torch.equal(fused, eager)
+        else:
+            assert relative_error(fused, eager) < 1e-2
+
+
+def test_compiled_code_calls_the_experts_op_once_per_layer(fused_run):
+    calls = fused_run["code"].count("torch.ops.fusion_compiler_ref.routed_experts.default(")
+    assert calls == len(fused_run["model"].layers)
+
+
+# ------------------------------------------------------------------------------------------
+# Real widths
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, layers, layer_bytes, experts_bytes",
+    [
+        ("deepseek", 1, 23_042_524_672, 256 * 3 * 2048 * 7168 * 2),  # 21.46 GiB, experts 21.0
+        ("minimax", 1, 7_337_438_208, 256 * 3 * 1536 * 3072 * 2),  # 6.83 GiB, experts 6.75
+        ("qwen", [LINEAR], 13_150_315_008, 512 * 3 * 1024 * 4096 * 2),  # 12.25 GiB, experts 12.0
+        ("qwen", [FULL], 13_124_002_816, 512 * 3 * 1024 * 4096 * 2),  # 12.22 GiB, experts 12.0
+    ],
+)
+def test_real_layer_weight_bytes(name, layers, layer_bytes, experts_bytes):
+    module = MODELS[name]
+    layer = module.build(module.REAL, layers, device="meta").layers[0]
+    assert moe.weight_bytes(layer) == layer_bytes
+    assert moe.weight_bytes(layer.mlp.experts) == experts_bytes
+    stub = module.build(module.REAL, layers, experts="zeros", device="meta").layers[0]
+    assert moe.weight_bytes(stub) == layer_bytes - experts_bytes
+    # What routed_experts copies per decoded token: top_k experts' three matrices, bf16.
+    assert module.REAL.moe.gathered_bytes(1) == experts_bytes // layer.mlp.gate.weight.shape[0] * module.REAL.moe.top_k
