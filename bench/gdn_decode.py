@@ -227,13 +227,13 @@ def compare(out, inputs, eager_out, eager_inputs) -> dict:
 
 def build_variants(region, cfg, tokens: int, fla_reason: str | None):
     torch._dynamo.reset()
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}))
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}, cudagraphs=False))
     variants = {"eager": region, "inductor": torch.compile(region), "ours": torch.compile(region, backend=backend)}
     if fla_reason is None:
         variants["fla"] = FlaCore(region.linear_attn)
         # The gdn family's lowering "fla": the same site, fla's kernels behind our op (slots
         # gathered and scattered around them, kernels/gdn_fla.py).
-        fla_config = fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}, families={"gdn": "fla"})
+        fla_config = fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}, families={"gdn": "fla"}, cudagraphs=False)
         fla_backend = fc.FusionBackend(fla_config)
         variants["ours_fla"] = torch.compile(region, backend=fla_backend)
     return variants, backend
@@ -279,6 +279,7 @@ def main() -> None:
     torch.manual_seed(0)
     region = Region(cfg).to(torch.bfloat16).to(DEVICE)
     rows = []
+    facts = {"device": "cpu (smoke)", "torch": torch.__version__} if args.smoke else common.device_facts()
     for tokens in tokens_list:
         gen = torch.Generator(device=DEVICE).manual_seed(tokens)
         size, state_size = region_bytes(cfg, tokens)
@@ -307,10 +308,9 @@ def main() -> None:
             if f"{label}_vs_eager" in row:
                 print(f"   {label} vs eager: { {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row[f'{label}_vs_eager'].items()} }", flush=True)  # fmt: skip
         rows.append(row)
-    facts = {"device": "cpu (smoke)", "torch": torch.__version__} if args.smoke else common.device_facts()
-    if args.out:
-        common.write_json(args.out, {"device": facts, "kernel": gdn_kernel.KERNEL_VERSION, "copy_bandwidth_gbs": bandwidth,
-                                     "config": dataclasses.asdict(cfg), "eager": "model_adapters/qwen35/gdn_reference.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
+        if args.out:  # after every row: a run cut short by its time limit keeps what it measured
+            common.write_json(args.out, {"device": facts, "kernel": gdn_kernel.KERNEL_VERSION, "copy_bandwidth_gbs": bandwidth,
+                                         "config": dataclasses.asdict(cfg), "eager": "model_adapters/qwen35/gdn_reference.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def bench_shape(tokens: int, hidden: int, copy_gbs: float) -> dict:
 
     torch._dynamo.reset()
     stock = torch.compile(hf_add_rms_norm, dynamic=False, fullgraph=True)
-    backend = fc.FusionBackend(fc.FusionConfig())
+    backend = fc.FusionBackend(fc.FusionConfig(cudagraphs=False))
     ours = torch.compile(hf_add_rms_norm, backend=backend, dynamic=False, fullgraph=True)
     variants = {"eager": hf_add_rms_norm, "inductor": stock, "fusion_compiler": ours}
 
@@ -104,7 +104,7 @@ def sweep_launches(tokens: int, hidden: int) -> list[dict]:
     weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
     torch._dynamo.reset()
     stock = torch.compile(hf_add_rms_norm, dynamic=False, fullgraph=True)
-    ours = torch.compile(hf_add_rms_norm, backend=fc.FusionBackend(fc.FusionConfig()), dynamic=False, fullgraph=True)
+    ours = torch.compile(hf_add_rms_norm, backend=fc.FusionBackend(fc.FusionConfig(cudagraphs=False)), dynamic=False, fullgraph=True)
     block_n = kernel.launch_config(hidden)[0]
     shipped = kernel._LAUNCH_TABLE[block_n]
     out = []

@@ -217,7 +217,7 @@ def main() -> None:
         torch._dynamo.reset()
         variants["eager"] = region
         variants["inductor"] = torch.compile(region)
-        backend = fc.FusionBackend(fc.FusionConfig(strict=True))
+        backend = fc.FusionBackend(fc.FusionConfig(strict=True, cudagraphs=False))
         variants["ours"] = torch.compile(region, backend=backend)
         typed = RegionTypedCaches(cfg).cuda()
         typed.load_state_dict(region.state_dict())

@@ -224,7 +224,7 @@ def run_row(name: str, spec: Spec, tokens: int, args, env: dict) -> dict:
     module, dims = build(spec, smoke, device, gen)
     check_input = torch.randn(tokens, dims["hidden"], generator=gen, device=device).to(torch.bfloat16)
     torch._dynamo.reset()
-    backend = fc.FusionBackend(fc.FusionConfig())
+    backend = fc.FusionBackend(fc.FusionConfig(cudagraphs=False))
     fns = {
         "eager": module,
         "inductor": torch.compile(module, dynamic=False),

@@ -37,11 +37,10 @@ compiled graphs, each wrapped on its own (``StepGraphs.report`` and ``inspect`` 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 
 import torch
@@ -99,26 +98,45 @@ def plan_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence, slot_names: 
     return InputPlan(tuple(batch), tuple(slots), tuple(sizes), tuple(movable), tuple(batch_outputs))
 
 
+_CU_GRAPH_NODE_TYPE_KERNEL = 0
+_CU_GRAPH_NODE_TYPE_GRAPH = 4  # a child graph: its kernels count too
+
+
 def kernel_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
-    """Kernel nodes of a captured graph (``enable_debug_mode`` before capture), from CUDA's own
-    DOT dump of it; None when the dump is not available."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "graph.dot")
-        try:
-            graph.debug_dump(path)
-            with open(path) as f:
-                dot = f.read()
-        except (RuntimeError, OSError) as error:
-            log.debug("no CUDA-graph dump: %s", error)
+    """Kernel nodes of a captured graph (made with ``keep_graph=True``), read from the graph
+    itself through the CUDA driver (``cuGraphGetNodes`` / ``cuGraphNodeGetType``); None where the
+    driver library or the raw graph is not available."""
+    try:
+        handle = graph.raw_cuda_graph()
+        driver = ctypes.CDLL("libcuda.so.1")
+    except (AttributeError, RuntimeError, OSError) as error:
+        log.debug("cannot read the CUDA graph's nodes: %s", error)
+        return None
+    return _count_kernels(driver, ctypes.c_void_p(handle))
+
+
+def _count_kernels(driver, graph: ctypes.c_void_p) -> int | None:
+    count = ctypes.c_size_t(0)
+    if driver.cuGraphGetNodes(graph, None, ctypes.byref(count)) != 0:
+        return None
+    nodes = (ctypes.c_void_p * count.value)()
+    if count.value and driver.cuGraphGetNodes(graph, nodes, ctypes.byref(count)) != 0:
+        return None
+    kernels, kind = 0, ctypes.c_int(0)
+    for node in nodes:
+        if driver.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
             return None
-    return count_kernel_nodes(dot)
-
-
-def count_kernel_nodes(dot: str) -> int:
-    """Kernel nodes in a cudaGraphDebugDotPrint dump: node statements whose label names a
-    kernel node (CUDA labels them with the node type, e.g. ``KERNEL`` and the function)."""
-    nodes = re.findall(r'^\s*"?[\w.]+"?\s*\[(.*)\]\s*;?\s*$', dot, flags=re.MULTILINE)
-    return sum(1 for attrs in nodes if re.search(r"\bKERNEL\b", attrs))
+        if kind.value == _CU_GRAPH_NODE_TYPE_KERNEL:
+            kernels += 1
+        elif kind.value == _CU_GRAPH_NODE_TYPE_GRAPH:
+            child = ctypes.c_void_p(0)
+            if driver.cuGraphChildGraphNodeGetGraph(ctypes.c_void_p(node), ctypes.byref(child)) != 0:
+                return None
+            inner = _count_kernels(driver, child)
+            if inner is None:
+                return None
+            kernels += inner
+    return kernels
 
 
 @dataclasses.dataclass
@@ -230,8 +248,7 @@ class StepGraphs:
         cannot be captured (a host sync, a CPU op): this graph then runs uncaptured."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        graph.enable_debug_mode()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept: its nodes are counted
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -242,6 +259,7 @@ class StepGraphs:
                         self.name, self.capture_error)
             torch.cuda.synchronize()
             return False
+        graph.instantiate()
         bucket.graph, bucket.outputs = graph, outputs
         bucket.kernel_nodes = kernel_nodes(graph)
         log.info("fusion_compiler: %s: captured the %d-row step: %s kernel nodes", self.name, bucket.rows,

@@ -62,7 +62,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-11"
+KERNEL_VERSION = "moe_route-12"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -277,9 +277,10 @@ def _router_gemm_kernel(
     stores it to PARTIALS[s].  Without ROUTE, the routing kernel sums the splits.
 
     With ROUTE, the GEMM and the routing are one launch.  Each program counts itself done on
-    COUNTERS[0] (acq_rel).  The last T programs to arrive each route one token: token
-    (programs - 1 - arrival), after waiting until every program has arrived.  Only programs that
-    have finished their GEMM wait, and they are at most T - 1 <= 15, so the programs they wait
+    COUNTERS[0] (acq_rel).  The last R = min(T, programs) programs to arrive route the tokens:
+    router r = programs - 1 - arrival takes tokens r, r + R, ..., after waiting until every
+    program has arrived.  Only programs that
+    have finished their GEMM wait, and they are at most R - 1 <= 15, so the programs they wait
     for always find a free slot on the GPU: no grid-wide co-residency is assumed.  The last one
     to leave (COUNTERS[1]; at one token the only router, with no second atomic) zeroes both
     counters for the next launch.  Triton's interpreter runs
@@ -318,17 +319,19 @@ def _router_gemm_kernel(
                                stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
                                TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
                 tl.store(COUNTERS, 0)
-        elif arrival >= programs - T:
+        elif arrival >= programs - tl.minimum(T, programs):
+            routers = tl.minimum(T, programs)  # a narrow GEMM can have fewer programs than tokens
             seen = arrival + 1
             while seen < programs:
                 seen = tl.atomic_add(COUNTERS, 0, sem="acquire", scope="gpu")
-            _route_row(programs - 1 - arrival, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
-                       stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
-                       stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
-                       TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
-            if T == 1:  # the only router: nobody else reads the counter
+            for row in range(programs - 1 - arrival, T, routers):
+                _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+                           stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
+                           stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
+                           TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
+            if routers == 1:  # the only router: nobody else reads the counter
                 tl.store(COUNTERS, 0)
-            elif tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel", scope="gpu") == T - 1:
+            elif tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel", scope="gpu") == routers - 1:
                 tl.store(COUNTERS, 0)
                 tl.store(COUNTERS + 1, 0)
 

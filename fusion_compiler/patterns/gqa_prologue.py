@@ -37,6 +37,7 @@ width and Gemma's offset, the cast an FP8 write rounds to.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -459,6 +460,11 @@ def _call(lowering: str, **kwargs):
     return _compat.auto_functionalized(torch.ops.fusion_compiler.gqa_prologue.default, **kwargs)
 
 
+def _heads(x: torch.Tensor, lead_dims: int, head_dim: int) -> int:
+    """Heads in x's per-token dims (static sizes), after its ``lead_dims`` token dims."""
+    return math.prod(x.shape[lead_dims:]) // head_dim
+
+
 def replacement(variant: Variant, lowering: str):
     if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
@@ -468,10 +474,11 @@ def replacement(variant: Variant, lowering: str):
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
         lead = v.shape[:-2] if p["layout"] == "hf" else v.shape[:-1]
-        tokens = v.numel() // (kv_heads * head_dim)
+        # Token counts as -1, never computed: under dynamic shapes a size expression of ours could
+        # be bound to an equal one computed later in the graph (another layer's), a cycle.
         if p["layout"] == "hf":  # per-token cat(freqs, freqs) rows; slot = batch * max_len + position
             half = cos.shape[-1] // 2
-            cos, sin = cos.reshape(tokens, -1)[:, :half], sin.reshape(tokens, -1)[:, :half]
+            cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
             max_len = k_cache.shape[2]
             slots = where if lead[0] == 1 else (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
         else:
@@ -481,7 +488,8 @@ def replacement(variant: Variant, lowering: str):
         variances = dict(q_variance=q_var, k_variance=k_var, variance_divisor=1.0) if p["tp"] else {}
         q_out, k_new, v_new = _call(
             lowering,
-            q=q.reshape(tokens, -1, head_dim), k=k.reshape(tokens, -1, head_dim), v=v.reshape(tokens, kv_heads, head_dim),
+            q=q.reshape(-1, _heads(q, len(lead), head_dim), head_dim), k=k.reshape(-1, kv_heads, head_dim),
+            v=v.reshape(-1, kv_heads, head_dim),
             q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps, weight_offset=offset, full_width_norm=full_width,
             cos=cos, sin=sin, positions=None, k_cache=k_cache, v_cache=v_cache, slots=slots,
             k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf", **variances,

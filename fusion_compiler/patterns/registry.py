@@ -117,13 +117,35 @@ def _same_node_reason(family: Family, match: _compat.Match) -> Reason:
     return None
 
 
+_CYCLE_PREFIX = "bound another site's node:"
+
+
+def _cycle_reason(match: _compat.Match) -> Reason:
+    """A match whose input is computed from its own nodes: the fused op would need its own
+    output. Multi-output patterns bind each output's sub-pattern on its own, and with dynamic
+    shapes a later layer's q / k path can fit an earlier layer's anchor (found on a 2-layer
+    decode stack: a cycle at topological sort)."""
+    inputs = {n for n in match.kwargs.values() if isinstance(n, torch.fx.Node)}
+    seen = set(match.nodes)
+    frontier = [u for n in match.nodes for u in n.users if u not in seen]
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        if node in inputs:
+            return f"{_CYCLE_PREFIX} input {node.name} is computed from the match's own nodes"
+        seen.add(node)
+        frontier.extend(u for u in node.users if u not in seen)
+    return None
+
+
 def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool]:
     def check(match: _compat.Match) -> bool:
         recorder = _active[-1] if _active else None
         values = _match_values(family, match)
         # A node left in `values` is an input the guard cannot reason about statically
         # (e.g. eps computed by a tensor op): the guard sees it and declines with a reason.
-        reason = _same_node_reason(family, match) or family.guard(values, variant)
+        reason = _same_node_reason(family, match) or _cycle_reason(match) or family.guard(values, variant)
         anchor = recorder.anchor_of(match) if recorder else None
         if reason is not None:
             if recorder is not None and anchor is not None:
@@ -186,10 +208,24 @@ def run_family(family: Family, lowering: str, graph: torch.fx.Graph) -> MatchRec
     matcher = matcher_for(family, lowering)
     _active.append(recorder)
     try:
-        matcher.apply(graph)
+        replaced = matcher.apply(graph)
+        # An anchor declined because a sub-pattern bound a later site's nodes gets another pass
+        # once that site is replaced (its nodes gone, the right binding is the one left).
+        while replaced and _rebound(recorder, graph):
+            replaced = matcher.apply(graph)
     finally:
         _active.pop()
     return recorder
+
+
+def _rebound(recorder: MatchRecorder, graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Anchors still in the graph, not accepted, declined only for binding another site's nodes."""
+    live = set(graph.nodes)
+    return [
+        anchor for anchor, reasons in recorder.declined.items()
+        if anchor in live and anchor not in recorder.accepted
+        and any(reason.startswith(_CYCLE_PREFIX) for _, reason in reasons)
+    ]  # fmt: skip
 
 
 def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-11"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-12"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
