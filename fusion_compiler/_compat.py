@@ -17,7 +17,7 @@ if TORCH_VERSION < (2, 11):
     raise ImportError(f"fusion_compiler needs torch >= 2.11, found {torch.__version__}")
 
 from torch._inductor import config as inductor_config  # noqa: E402
-from torch._higher_order_ops.auto_functionalize import auto_functionalized  # noqa: E402
+from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
 from torch._inductor.pattern_matcher import (  # noqa: E402
@@ -36,6 +36,11 @@ __all__ = [
     "JOINT_GRAPH_DROPS_ROUND_TRIPS",
     "run_with_fake_mode",
     "auto_functionalized",
+    "auto_functionalized_v2",
+    "op_name",
+    "op_arguments",
+    "op_return_count",
+    "default_overload",
     "CustomGraphPass",
     "FailedMatch",
     "Match",
@@ -147,3 +152,57 @@ def run_with_fake_mode(target, args, kwargs):
 
     with V.fake_mode:
         return target(*args, **kwargs)
+
+
+def op_name(target: object) -> str | None:
+    """``namespace::name`` of an operator overload (``vllm_ir::rms_norm``), None for anything else:
+    lets a pattern module recognise another library's op without importing that library."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return None
+
+
+def op_arguments(op) -> list[tuple[str, bool, object]]:
+    """(name, written in place, default or ``NO_DEFAULT``) for each argument of an overload."""
+    return [
+        (a.name, a.alias_info is not None and a.alias_info.is_write,
+         a.default_value if a.has_default_value() else NO_DEFAULT)
+        for a in op._schema.arguments
+    ]  # fmt: skip
+
+
+def op_return_count(op) -> int:
+    return len(op._schema.returns)
+
+
+def default_overload(op):
+    """``ns.name.default`` of any overload of the same op (``maybe_inplace`` -> functional)."""
+    return op.overloadpacket.default
+
+
+NO_DEFAULT = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamo's graph-break reasons (torch._dynamo.utils.counters: a Counter keyed by the reason text)
+# --------------------------------------------------------------------------------------------------
+
+
+def clear_graph_break_reasons() -> None:
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+
+
+def graph_break_reasons() -> dict[str, int]:
+    """Graph breaks since the last clear: the first line of each reason -> how many times."""
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        lines = [line.strip() for line in str(reason).splitlines() if line.strip()] or ["(no reason given)"]
+        # Newer torch puts a headline first and the specifics on an "Explanation:" line.
+        explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)
+        text = f"{lines[0]}: {explanation.removeprefix('Explanation:').strip()}" if explanation else lines[0]
+        reasons[text[:300]] = reasons.get(text[:300], 0) + count
+    return reasons

@@ -51,6 +51,9 @@ class FusionConfig:
         a cache hit skips our pass, so that compile would have no match report.
     horizontal_merge: fold a layer's independent prologue sites (passes/horizontal.py) into
         one launch each side of the q_b GEMM (DeepSeek V3.2: 2 kernels instead of 5).
+    merge_projections: GEMMs left after the families that read the same activation (q / k / v,
+        a shared expert's gate / up, ...) become one GEMM over the concatenated weights
+        (passes/merge_projections.py; the concatenation is made once, on the first call).
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.
     cudagraph_buckets: the batch sizes captured; a batch runs in the smallest bucket that holds
@@ -66,6 +69,7 @@ class FusionConfig:
     expected: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     inductor_cache: bool = False
     horizontal_merge: bool = True
+    merge_projections: bool = True
     cudagraphs: bool = True
     cudagraph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     cudagraph_slot_inputs: tuple[str, ...] = DEFAULT_SLOT_INPUTS
@@ -102,8 +106,22 @@ class FusionConfig:
     def enabled_families(self) -> tuple[str, ...]:
         return tuple(f for f in FAMILY_ORDER if self.lowering(f) != "off")
 
+    def __reduce__(self):
+        # MappingProxyType neither pickles nor deep-copies, and vLLM does both to its inductor
+        # config (our pass and this config inside it): a deep copy per backend, a pickle per
+        # worker process.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["families"] = dict(self.families)
+        fields["expected"] = {family: dict(sites) for family, sites in self.expected.items()}
+        return (_config_from_fields, (fields,))
+
     def cache_key(self) -> str:
         """What of the config changes the compiled graph (expectations and verify do not)."""
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
         key["horizontal_merge"] = self.horizontal_merge
+        key["merge_projections"] = self.merge_projections
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _config_from_fields(fields: dict) -> FusionConfig:
+    return FusionConfig(**fields)

@@ -37,6 +37,7 @@ class ModeResult:
     graphs: int
     logits: torch.Tensor
     report: object | None = None
+    graph_breaks: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> count
 
 
 def _counting_backend(inner: Callable) -> tuple[Callable, list[int], list[float]]:
@@ -68,6 +69,7 @@ def _stock_inductor(gm, example_inputs):
 
 def run_mode(model, step, mode: str, device: str, expected: dict | None) -> ModeResult:
     torch._dynamo.reset()
+    _compat.clear_graph_break_reasons()
     report = None
     if mode == "eager":
         fn, graphs = model, [0]
@@ -92,7 +94,8 @@ def run_mode(model, step, mode: str, device: str, expected: dict | None) -> Mode
         kernels = counting.count_cpu_eager(lambda: step.run(fn))
     else:
         kernels, logits = counting.count_cpu_compiled(lambda: step.run(fn))
-    return ModeResult(kernels, graphs[0], logits.detach().float().cpu(), report)
+    breaks = _compat.graph_break_reasons() if mode != "eager" else {}
+    return ModeResult(kernels, graphs[0], logits.detach().float().cpu(), report, breaks)
 
 
 def stack_pairs(kinds: list[str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -150,6 +153,7 @@ def inspect_model(
             expected_full = expected
             # The runs above were each mode's first compile of this stack; time a second.
             compile_times = compile_seconds(model, batch, context, expected)
+            cuda_graphs = step_graph_check(model, batch, context, expected) if device == "cuda" else None
         del model
 
     full = per_stack[tuple(kinds)]
@@ -173,6 +177,8 @@ def inspect_model(
                 "layer": i,
                 "kind": kind,
                 "kernels": {mode: per_kind[kind][mode].to_dict() for mode in MODES},
+                # What is left to fuse, by kernel (the compiled modes; eager's list is long).
+                "kernel_names": {mode: per_kind[kind][mode].names for mode in MODES if mode != "eager"},
                 "matches": matches(i),
                 "misses": [_miss_dict(m) for m in misses if m.layer == i],
             }
@@ -194,13 +200,17 @@ def inspect_model(
         },
         "whole_step_kernels": {mode: full[mode].kernels.to_dict() for mode in MODES},
         "graphs": {mode: full[mode].graphs for mode in MODES},
+        # A graph break splits the step (several graphs, host work between them): never silent.
+        "graph_breaks": {mode: full[mode].graph_breaks for mode in MODES if mode != "eager"},
         "relative_error_vs_eager": {
             mode: relative_error(full[mode].logits, eager_logits) for mode in MODES if mode != "eager"
         },
         "compile_seconds": compile_times,
+        "cuda_graphs": cuda_graphs,
         "expected_sites": expected_full,
         "match_summary": report.summary(),
         "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in report.merges()],
+        "merged_projections": report.merged_projections(),
     }
 
 
@@ -227,6 +237,30 @@ def compile_seconds(model, batch: int, context: int, expected: dict) -> dict:
         "pass_overhead_vs_inductor": seconds["fusion_compiler"] / seconds["inductor"] - 1,
         "method": "backend seconds of the second from-scratch compile per mode (the first: the counted run); "
                   "FX-graph cache off",
+    }
+
+
+def step_graph_check(model, batch: int, context: int, expected: dict) -> dict:
+    """The whole step through our backend as users run it on CUDA (step graphs on): how many
+    graphs Dynamo handed over (each graph break adds one, each is captured on its own), what was
+    captured, the kernel nodes read from each captured graph, capture errors, and the replay's
+    logits against the same backend's uncaptured first call."""
+    torch._dynamo.reset()
+    backend = FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}))
+    fn = torch.compile(model, backend=backend)
+    step = make_decode_step(model, batch=batch, context=context, seed=0)
+    uncaptured = step.run(fn).detach().float().clone()  # a bucket's first call runs uncaptured
+    step.run(fn)  # captures, then replays
+    replayed = step.run(fn).detach().float().clone()
+    graphs = [g.report() for g in backend.step_graphs]
+    return {
+        "compiled_graphs": len(graphs),
+        "captured_graphs": sum(g["graphs"] for g in graphs),
+        "kernel_nodes": [node for g in graphs for node in g["kernel_nodes_by_rows"].values()],
+        "capture_errors": [g["capture_error"] for g in graphs if g["capture_error"]],
+        "uncaptured_calls": sum(g["uncaptured_calls"] for g in graphs),
+        "replay_rel_err_vs_uncaptured": relative_error(replayed, uncaptured),
+        "step_graphs": graphs,
     }
 
 
@@ -280,12 +314,28 @@ def format_table(result: dict, explain: bool = False) -> str:
     lines.extend(_miss_lines(result["outside_layers"]["misses"], explain))
     for merge in result.get("merged_launches", []):
         lines.append(f"merged {merge['sites']} {merge['kind']}-prologue sites of {merge['layer']} into one launch")
+    if result.get("merged_projections"):
+        groups = result["merged_projections"]
+        lines.append(f"merged {sum(groups)} projections of shared activations into {len(groups)} GEMMs (groups of {groups})")
     seconds = result.get("compile_seconds")
     if seconds and seconds["pass_overhead_vs_inductor"] is not None:
         lines.append(
             f"compile (backend, full stack, warm kernel cache): stock Inductor {seconds['inductor']:.2f} s, "
             f"fusion_compiler {seconds['fusion_compiler']:.2f} s ({100 * seconds['pass_overhead_vs_inductor']:+.0f}%); "
             f"pattern tracing once per process {seconds['pattern_tracing']:.1f} s"
+        )
+    breaks = result.get("graph_breaks", {}).get("fusion_compiler")
+    if breaks or result["graphs"]["fusion_compiler"] > 1:
+        lines.append(f"WARNING: the compiled step is {result['graphs']['fusion_compiler']} graphs (graph breaks split it; "
+                     "each piece is captured on its own, with host work between): "
+                     + "; ".join(f"{n}x {reason}" for reason, n in (breaks or {}).items()))
+    graphs = result.get("cuda_graphs")
+    if graphs:
+        lines.append(
+            f"CUDA graphs (our backend, whole step): {graphs['captured_graphs']} captured of "
+            f"{graphs['compiled_graphs']} compiled graph(s), kernel nodes {graphs['kernel_nodes']}, replay vs "
+            f"uncaptured {graphs['replay_rel_err_vs_uncaptured']:.1e}"
+            + "".join(f"; capture error: {error}" for error in graphs["capture_errors"])
         )
     lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))
     return "\n".join(lines)

@@ -15,11 +15,13 @@ from ..patterns.registry import Family, failed_match_reason, run_family, source_
 from ..patterns import registry as registry_module
 from . import canonicalize as canonicalize_module
 from . import horizontal as horizontal_module
+from . import merge_projections as merge_projections_module
 from . import rope_gather as rope_gather_module
 from . import tp_variance as tp_variance_module
 from ..module_paths import module_path
 from .explain import chain
 from .horizontal import merge_prologues
+from .merge_projections import merge_projections
 from .rope_gather import fold_rope_gathers
 from .tp_variance import fold_tp_variances
 from .report import GraphReport, MatchReport, Site, modules_in
@@ -47,6 +49,7 @@ class FusionPass(_compat.CustomGraphPass):
             graph_index=len(self.report.graphs),
             expected={family: dict(sites) for family, sites in self.config.expected.items()},
             modules_in_graph=modules_in(graph),
+            pipeline=self.pipeline(),
         )
         canonicalize_module.canonicalize(graph)
         # A dead node still counts as a user, and the matcher refuses a pattern node with users
@@ -57,8 +60,8 @@ class FusionPass(_compat.CustomGraphPass):
         # canonical norms, say) are never candidates for a later family.
         model_nodes = set(graph.nodes)
         for family_name in self.config.enabled_families():
-            family = FAMILIES[family_name]
-            graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph, model_nodes))
+            for family in self.families_for(family_name):
+                graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph, model_nodes))
         if self.config.horizontal_merge and self.config.lowering("mla_prologue") == "triton":
             graph_report.merged.extend(merge_prologues(graph))
         if self.config.lowering("gqa_prologue") == "triton":
@@ -66,6 +69,8 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
                 graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
             )
+        if self.config.merge_projections:
+            graph_report.merged_projections = merge_projections(graph)
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -75,6 +80,14 @@ class FusionPass(_compat.CustomGraphPass):
         missing = graph_report.missing_expected()
         if missing and self.config.strict:
             raise MissedSiteError(_format_missing(graph_report, missing))
+
+    def families_for(self, name: str) -> tuple[Family, ...]:
+        """The Family objects run under one name (an integration adds its host's spellings)."""
+        return (FAMILIES[name],)
+
+    def pipeline(self) -> str:
+        """Where this graph is being compiled, for the report; empty for our own backend."""
+        return ""
 
     def _run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
         anchors = [(n, module_path(n)) for n in graph.nodes if n in model_nodes and family.is_site(n)]
@@ -103,9 +116,12 @@ class FusionPass(_compat.CustomGraphPass):
 
     def _log(self, graph_report: GraphReport) -> None:
         one = MatchReport([graph_report])
-        log.info("fusion_compiler graph %d: %s", graph_report.graph_index, one.summary())
+        where = f" ({graph_report.pipeline})" if graph_report.pipeline else ""
+        log.info("fusion_compiler graph %d%s: %s", graph_report.graph_index, where, one.summary())
         for layer, kind, members in graph_report.merged:
             log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
+        if graph_report.merged_projections:
+            log.info("  merged projections of one activation into one GEMM: groups of %s", graph_report.merged_projections)
         if graph_report.folded_rope_gathers:
             log.info("  folded the RoPE table gather into %d gqa prologue(s)", graph_report.folded_rope_gathers)
         if graph_report.folded_tp_divisions:
@@ -125,7 +141,8 @@ def pass_uuid(config: FusionConfig) -> str:
     digest.update(config.cache_key().encode())
     # What decides the rewritten graph besides the families' own sources: the matching contract
     # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
-    for module in (registry_module, canonicalize_module, horizontal_module, rope_gather_module, tp_variance_module):
+    for module in (registry_module, canonicalize_module, horizontal_module, merge_projections_module, rope_gather_module,
+                   tp_variance_module):  # fmt: skip
         digest.update(inspect.getsource(module).encode())
     for name in config.enabled_families():
         family = FAMILIES[name]

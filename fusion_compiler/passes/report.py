@@ -39,6 +39,11 @@ class GraphReport:
     # fused into one op before the all-reduce (passes/tp_variance.py).
     folded_tp_divisions: int = 0
     fused_tp_variances: int = 0
+    # Sizes of the groups of GEMMs of one activation merged into one (passes/merge_projections.py).
+    merged_projections: list[int] = dataclasses.field(default_factory=list)
+    # Where the graph was compiled when not by our own backend, e.g. "vllm 0.33.0, compile
+    # range [1, 8]" (integrations/vllm.py); empty for our backend.
+    pipeline: str = ""
 
     def matched(self, family: str | None = None) -> list[Site]:
         return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
@@ -117,6 +122,9 @@ class MatchReport:
     def folded_rope_gathers(self) -> int:
         return sum(g.folded_rope_gathers for g in self.graphs)
 
+    def merged_projections(self) -> list[int]:
+        return [n for g in self.graphs for n in g.merged_projections]
+
     def folded_tp_divisions(self) -> int:
         return sum(g.folded_tp_divisions for g in self.graphs)
 
@@ -126,8 +134,10 @@ class MatchReport:
     def to_dict(self) -> dict:
         return {
             "graphs": len(self.graphs),
+            "pipelines": [g.pipeline for g in self.graphs],
             "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
             "folded_rope_gathers": self.folded_rope_gathers(),
+            "merged_projections": self.merged_projections(),
             "folded_tp_divisions": self.folded_tp_divisions(),
             "fused_tp_variances": self.fused_tp_variances(),
             "matches": self.per_variant(),
@@ -141,11 +151,18 @@ class MatchReport:
         lines = [self.summary()]
         for layer, kind, count in self.merges():
             lines.append(f"  merged {count} {kind}-prologue sites of {layer} into one launch")
+        if self.merged_projections():
+            lines.append(f"  merged {sum(self.merged_projections())} GEMMs of shared activations into "
+                         f"{len(self.merged_projections())} (groups of {self.merged_projections()})")
         if self.folded_rope_gathers():
             lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
         if self.folded_tp_divisions():
             lines.append(f"  folded the all-reduced variance division into {self.folded_tp_divisions()} gqa prologue(s); "
                          f"fused {self.fused_tp_variances()} pair(s) of local q/k means before the all-reduce")
+        for g in self.graphs:
+            if g.pipeline:
+                fused = ", ".join(f"{n} {v}" for v, n in Counter(s.variant for s in g.matched()).items()) or "nothing"
+                lines.append(f"  graph {g.graph_index} inside {g.pipeline}: fused {fused}")
         for s in self.misses():
             lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
         for family, module, expected, found in self.missing_expected():

@@ -90,3 +90,20 @@ def test_compiled_graph_with_fused_ops_captures_in_a_cuda_graph():
     assert relative_error(out, expected) < 1e-2
     # The sum comes after a GEMM, and cuBLAS picks different kernels eager and compiled.
     assert relative_error(total, expected_total) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["minimax-m2.5", "qwen3.5"])
+def test_inspect_on_cuda_reports_one_captured_step_graph(name):
+    """inspect v2: on CUDA the whole HF decode step runs through our backend with its step
+    graphs on: one graph compiled (no graph break), captured, its kernel nodes read from the
+    graph, and the replay equal to the uncaptured first call."""
+    from fusion_compiler.inspect.run import inspect_model
+
+    adapter = get_adapter(name)
+    result = inspect_model(adapter, "tiny", adapter.default_layers, "cuda")
+    graphs = result["cuda_graphs"]
+    assert graphs["compiled_graphs"] == graphs["captured_graphs"] == 1, graphs
+    assert graphs["capture_errors"] == [] and graphs["uncaptured_calls"] == 0, graphs
+    assert graphs["kernel_nodes"][0] > 0
+    assert graphs["replay_rel_err_vs_uncaptured"] < 1e-3

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fusion_compiler.cli import main
 
@@ -41,6 +42,9 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
             assert kernels["device"] == "cpu"
             assert kernels["count_source"] in ("aten_ops_dispatched", "inductor_wrapper_launches")
             assert kernels["count"] > 0
+        # The per-layer names add up to the per-layer count (what is left to fuse, by kernel).
+        for mode in ("inductor", "fusion_compiler"):
+            assert sum(row["kernel_names"][mode].values()) == row["kernels"][mode]["count"]
         # MiniMax layer: input and post-attention norms; the full-width q and k norms are part
         # of the attention prologue.
         assert row["matches"]["add_rms_norm"] == {"found": 2, "expected": 2}
@@ -49,6 +53,8 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
     assert result["graphs"]["fusion_compiler"] == 1
     assert result["relative_error_vs_eager"]["fusion_compiler"] < 2e-2
+    assert result["cuda_graphs"] is None  # the step-graph check runs on CUDA only
+    assert result["graph_breaks"] == {"inductor": {}, "fusion_compiler": {}}
     seconds = result["compile_seconds"]  # measured CPU, tiny: 3.87 s stock, 3.12 s ours, tracing 4.7 s
     assert seconds["inductor"] > 0 and seconds["fusion_compiler"] > 0 and seconds["pattern_tracing"] > 0
     assert seconds["pass_overhead_vs_inductor"] == seconds["fusion_compiler"] / seconds["inductor"] - 1
@@ -130,3 +136,36 @@ def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
         assert len(diverged) == 1 and diverged[0].startswith(f"{miss['node']} = "), miss
         assert f"node={miss['node']}" in miss["reason"] and len(miss["chain"]) > 1
         assert diverged[0] in printed and f"miss moe_routing at {miss['module']} ({miss['node']})" in printed
+
+
+class _Breaking(torch.nn.Module):
+    """A step with a host-side call in the middle: Dynamo breaks the graph there."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        print("host work inside the step")
+        return self.proj(h.relu())
+
+
+class _Step:
+    def __init__(self):
+        self.x = torch.randn(2, 16)
+
+    def run(self, fn):
+        with torch.no_grad():
+            return fn(self.x)
+
+    def reset(self):
+        pass
+
+
+def test_a_graph_break_is_counted_with_its_reason():
+    from fusion_compiler.inspect.run import run_mode
+
+    result = run_mode(_Breaking().eval(), _Step(), "fusion_compiler", "cpu", None)
+    assert result.graphs == 2
+    assert any("print" in reason for reason in result.graph_breaks), result.graph_breaks

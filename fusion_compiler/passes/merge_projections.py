@@ -1,0 +1,80 @@
+"""Projections that read the same activation, merged into one GEMM (``ops/merged_linear.py``).
+
+q / k / v of an attention layer, DeepSeek's q_a / kv_a / indexer projections, Gated DeltaNet's
+four input projections, a shared expert's gate and up: each is an ``mm(x, w^T)`` of the same
+activation. At decode sizes each GEMM is a launch that reads its weight once; one GEMM over the
+concatenated weights reads the same bytes in one launch. The pass runs after the families, so
+GEMMs inside a fused site (the router's) are already gone from the graph; each merged GEMM's
+consumers read a slice of the merged output, a view.
+
+Keyed on the graph, not on module names: any ``mm`` whose second operand is a transposed weight
+(a placeholder or a constant, 2-D) joins the group of the activation it reads, where the
+activation is the same node or the same reshape of the same node (HF reshapes the normed hidden
+state once per projection). Groups of one are left alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..ops import merged_linear as merged_ops
+
+aten = torch.ops.aten
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _weight_of(transposed: torch.fx.Node) -> torch.fx.Node | None:
+    """``w`` of ``permute(w, [1, 0])`` / ``t(w)`` when w is a 2-D weight (placeholder or constant)."""
+    if transposed.op != "call_function":
+        return None
+    if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0]:
+        weight = transposed.args[0]
+    elif transposed.target is aten.t.default:
+        weight = transposed.args[0]
+    else:
+        return None
+    val = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+    if weight.op not in ("placeholder", "get_attr") or val is None or val.dim() != 2:
+        return None
+    return weight
+
+
+def _activation_key(x: torch.fx.Node) -> tuple:
+    """The same activation read through the same reshape: one key."""
+    if x.op == "call_function" and x.target in _RESHAPES:
+        return (x.args[0], tuple(x.args[1]))
+    return (x, None)
+
+
+def merge_projections(graph: torch.fx.Graph) -> list[int]:
+    """Merge each group of two or more projections of one activation; returns the group sizes."""
+    groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.mm.default:
+            weight = _weight_of(node.args[1])
+            if weight is not None:
+                groups[_activation_key(node.args[0])].append((node, weight))
+    merged = []
+    for members in groups.values():
+        # Same dtype and reduction width: one GEMM; anything else stays as it is.
+        dtypes = {(w.meta["val"].dtype, w.meta["val"].shape[1], mm.meta["val"].dtype) for mm, w in members}
+        if len(members) < 2 or len(dtypes) != 1:
+            continue
+        first, x = members[0][0], members[0][0].args[0]
+        weights = [w for _, w in members]
+        with graph.inserting_before(first):
+            out = graph.call_function(torch.ops.fusion_compiler.merged_linear.default, (x, weights))
+            out.meta["val"] = torch.ops.fusion_compiler.merged_linear.default(x.meta["val"], [w.meta["val"] for w in weights])
+            start = 0
+            for mm, w in members:
+                width = w.meta["val"].shape[0]
+                piece = graph.call_function(aten.slice.Tensor, (out, 1, start, start + width))
+                piece.meta["val"] = aten.slice.Tensor(out.meta["val"], 1, start, start + width)
+                start += width
+                mm.replace_all_uses_with(piece)
+        for mm, _ in members:  # after the insertions: they are placed relative to the first
+            graph.erase_node(mm)
+        merged.append(len(members))
+    return merged

@@ -1,0 +1,82 @@
+"""passes/merge_projections.py: GEMMs of one activation become one GEMM, on HF's real code
+(counts per model asserted) and on near misses that must stay apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_compiler as fc
+from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.verify import relative_error
+
+# Per layer, in graph order. DeepSeek V3.2: q_a / kv_a / indexer wk / indexer weights_proj of
+# the normed hidden state, q_b / the indexer's wq_b of the normed q latent, the shared expert's
+# gate / up; Qwen3.5: GDN's
+# in_proj_qkv / z / b / a or the full-attention q / k / v, then the shared expert's gate / up
+# (its router and gate are inside the routing op); MiniMax-M2.5: q / k / v.
+EXPECTED = {
+    "deepseek-v3.2": [4, 2, 2] * 2,
+    "minimax-m2.5": [3] * 2,
+    "qwen3.5": [4, 2] * 3 + [3, 2],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hf_projections_merge_per_layer_and_match_eager(name):
+    adapter = get_adapter(name)
+    model = adapter.build_hf(size="tiny", layers=adapter.default_layers)
+    step = make_decode_step(model)
+    eager = step.run(model)
+    torch._dynamo.reset()
+    backend = fc.FusionBackend(fc.FusionConfig(expected=adapter.expected_sites(model), strict=True))
+    compiled = torch.compile(model, backend=backend)
+    fused = step.run(compiled)
+    assert backend.report.merged_projections() == EXPECTED[name]
+    assert relative_error(fused, eager) < 2e-2
+    # The first call moved the weights into merged buffers; the parameters still hold their
+    # values, and the next call neither recompiles nor changes the result.
+    again = step.run(compiled)
+    assert backend.compiles == 1
+    torch.testing.assert_close(again, fused)
+    assert relative_error(step.run(model), eager) < 1e-6
+
+
+class _NearMisses(torch.nn.Module):
+    """q / k / v of x merge; a projection of another activation, one with a bias (addmm), and
+    one of a different dtype stay as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(64, n, bias=False) for n in (64, 16, 16))
+        self.other = torch.nn.Linear(64, 32, bias=False)
+        self.biased = torch.nn.Linear(64, 32)
+        self.wide = torch.nn.Linear(64, 8, bias=False).double()
+
+    def forward(self, x, y):
+        parts = (self.q(x), self.k(x), self.v(x), self.other(y), self.biased(x), self.wide(x.double()).float())
+        return torch.cat(parts, dim=-1)
+
+
+def test_near_misses_stay_apart():
+    torch.manual_seed(0)
+    model = _NearMisses().eval()
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    torch._dynamo.reset()
+    backend = fc.FusionBackend(fc.FusionConfig())
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, y)
+        expected = model(x, y)
+    assert backend.report.merged_projections() == [3]
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_off_leaves_every_gemm():
+    torch.manual_seed(0)
+    model = _NearMisses().eval()
+    torch._dynamo.reset()
+    backend = fc.FusionBackend(fc.FusionConfig(merge_projections=False))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 64), torch.randn(3, 64))
+    assert backend.report.merged_projections() == []
