@@ -249,6 +249,7 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
     """One mode on one step: its output and written state (from the restored inputs), kernels,
     graph nodes and µs."""
     row: dict = {}
+    replays_before = [g.replays for g in compiled.backend.step_graphs] if compiled.backend is not None else []
     step.restore()
     if mode in GRAPH_MODES:
         graph, out = capture(step, compiled.fn)
@@ -279,13 +280,13 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         row["missing_expected"] = report.to_dict().get("missing_expected", [])
         graphs = [g.report() for g in compiled.backend.step_graphs]
         row["step_graphs"] = graphs
-        nodes = [g["kernel_nodes_by_rows"].get(step_rows(step)) for g in graphs]
+        # The graphs this batch replayed (an earlier batch's static-shape graph is not one).
+        before = replays_before + [0] * (len(graphs) - len(replays_before))
+        used = [g for g, n in zip(graphs, before, strict=True) if g["replays"] > n]
+        nodes = [g["kernel_nodes_by_rows"].get(g["last_rows"]) for g in used]
         row["graph_kernel_nodes"] = sum(nodes) if nodes and None not in nodes else None
+        row["step_graphs_replayed"] = len(used)
     return row, out, state
-
-
-def step_rows(step: Step) -> int:
-    return int(next(v for v in step.kwargs.values() if isinstance(v, torch.Tensor)).shape[0])
 
 
 def compare(out, state, eager_out, eager_state) -> dict:

@@ -164,6 +164,8 @@ class StepGraphs:
         self.capture_error: str | None = None
         self.uncaptured_calls = 0
         self.recaptures = 0
+        self.replays = 0
+        self.last_rows: int | None = None  # the bucket of the last replay
 
     # -- what a call needs ------------------------------------------------------------------
     def _batch(self, args: Sequence) -> int | None:
@@ -217,6 +219,8 @@ class StepGraphs:
             self.uncaptured_calls += 1
             return self._slice(self.compiled(*bucket.args), batch, rows)
         bucket.graph.replay()
+        self.replays += 1
+        self.last_rows = rows
         return self._slice(bucket.outputs, batch, rows)
 
     def _new_bucket(self, args: list, rows: int) -> _Bucket:
@@ -286,6 +290,8 @@ class StepGraphs:
             "padded_with_slots": self.plan.pads,
             "uncaptured_calls": self.uncaptured_calls,
             "recaptures": self.recaptures,
+            "replays": self.replays,
+            "last_rows": self.last_rows,
             "copied_inputs": sorted(self.copied),
             "capture_error": self.capture_error,
         }

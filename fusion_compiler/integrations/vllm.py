@@ -37,20 +37,22 @@ from vllm.compilation.passes.inductor_pass import InductorPass
 
 from ..config import FusionConfig
 from ..passes.fusion_pass import FusionPass, pass_uuid
-from ..patterns import vllm_ir
+from ..patterns import vllm_ir, vllm_rope
 from ..patterns.registry import Family, source_text
 
 log = logging.getLogger("fusion_compiler")
 
 SLOT = "post_grad_custom_post_pass"
+# vLLM's spellings, each run before the core family of its name.
+VLLM_FAMILIES = (vllm_ir.FAMILY, vllm_rope.FAMILY)
 ENABLE_ENV = "FUSION_COMPILER_VLLM"
 OPTIONS_ENV = "FUSION_COMPILER_VLLM_OPTIONS"
 
 
 class VllmFusionPass(FusionPass, InductorPass):
-    """`FusionPass` as a vLLM `InductorPass`, matching vLLM's own spellings (patterns/vllm_ir.py)
-    before the core variants. Its report (``.report``) marks each graph with the vLLM version
-    and compile range it was compiled for."""
+    """`FusionPass` as a vLLM `InductorPass`, matching vLLM's own spellings (patterns/vllm_ir.py,
+    patterns/vllm_rope.py) before the core variants. Its report (``.report``) marks each graph
+    with the vLLM version and compile range it was compiled for."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         rewritten = vllm_ir.functionalize_maybe_inplace(graph)
@@ -60,7 +62,8 @@ class VllmFusionPass(FusionPass, InductorPass):
 
     def families_for(self, name: str) -> tuple[Family, ...]:
         core = super().families_for(name)
-        return (vllm_ir.FAMILY, *core) if name == vllm_ir.FAMILY.name else core
+        ours = tuple(f for f in VLLM_FAMILIES if f.name == name)
+        return (*ours, *core)
 
     def pipeline(self) -> str:
         # vLLM's pass context holds the compile range; outside vLLM's backend there is none.
@@ -72,7 +75,7 @@ class VllmFusionPass(FusionPass, InductorPass):
         # Part of vLLM's config hash and of Inductor's cache key (PostGradPassManager.uuid).
         return InductorPass.hash_dict({
             "fusion_pass": pass_uuid(self.config),
-            "vllm_spellings": source_text(vllm_ir.FAMILY),
+            "vllm_spellings": [source_text(family) for family in VLLM_FAMILIES],
             "integration": inspect.getsource(sys.modules[__name__]),
             "vllm": vllm.__version__,
         })  # fmt: skip

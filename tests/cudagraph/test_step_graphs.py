@@ -128,6 +128,8 @@ def test_buckets_pad_with_slot_minus_one_and_slice_outputs(traced, monkeypatch):
     report = graphs.report()
     assert report["graphs"] == 2 and report["kernel_nodes_by_rows"] == {4: 3, 8: 3}
     assert report["uncaptured_calls"] == 0 and report["recaptures"] == 0 and report["padded_with_slots"]
+    # Replays: bucket 8's 2nd, 3rd and 4th calls and bucket 4's 2nd (a first call is a warm-up).
+    assert report["replays"] == 4 and report["last_rows"] == 4
 
 
 def test_an_input_that_moves_is_copied_from_then_on(traced, monkeypatch):

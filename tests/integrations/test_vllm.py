@@ -383,3 +383,68 @@ def test_pass_survives_vllms_deepcopy_and_pickle():
     ours = VllmFusionPass(FusionConfig(families={"gdn": "off"}, expected={"add_rms_norm": {"layers.0.norm": 1}}))
     for clone in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
         assert clone.config == ours.config and clone.uuid() == ours.uuid()
+
+
+# MiniMax-M2.5's attention shapes per head (head_dim 128, rotary_dim 64, theta 5e6), few heads.
+HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM = 4, 2, 128, 64
+
+
+class QkNormRope(nn.Module):
+    """MiniMax-M2.5's attention prologue as vLLM writes it, up to the cache write: full-width
+    q/k RMSNorm, then `get_rope`'s RotaryEmbedding (native forward_static under
+    custom_ops=["none"])."""
+
+    def __init__(self, is_neox_style=True, rotary_dim=ROTARY_DIM):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        super().__init__()
+        self.q_norm = RMSNorm(HEADS * HEAD_DIM, eps=1e-6, dtype=BF16)
+        self.k_norm = RMSNorm(KV_HEADS * HEAD_DIM, eps=1e-6, dtype=BF16)
+        for p in self.parameters():
+            p.data.normal_(1, 0.2)
+        rope = {"rope_theta": 5e6, "partial_rotary_factor": rotary_dim / HEAD_DIM}
+        self.rotary_emb = get_rope(HEAD_DIM, max_position=64, is_neox_style=is_neox_style, rope_parameters=rope, dtype=BF16)
+
+    def forward(self, positions, q, k):
+        return self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+
+
+def _rope_inputs(tokens=3):
+    positions = torch.tensor([3, 17, 60][:tokens])
+    return positions, torch.randn(tokens, HEADS * HEAD_DIM, dtype=BF16), torch.randn(tokens, KV_HEADS * HEAD_DIM, dtype=BF16)
+
+
+def test_vllm_native_partial_neox_rope_fuses_after_the_qk_norms():
+    our_pass = _recording_pass()
+    eager, compiled, _ = compile_with_vllm_backend(vllm_config({SLOT: our_pass}), QkNormRope, _rope_inputs())
+
+    (targets,) = our_pass.seen
+    # The table gather (index_select) and no cache write: vLLM's Attention writes the cache in
+    # its own op, outside this graph, so no gqa_prologue site exists (patterns/vllm_rope.py).
+    assert torch.ops.aten.index.Tensor in targets and torch.ops.aten.index_put.default not in targets
+    report = our_pass.report
+    assert report.per_variant() == {"vllm.rope_neox_partial": 2, "vllm_ir.rms_norm": 2}
+    assert report.misses() == []
+    _assert_close(eager, compiled)  # the op rounds once in fp32; vLLM's eager rounds each bf16 step
+
+
+@pytest.mark.parametrize(
+    "rope_kwargs, reason",
+    [
+        ({"is_neox_style": False}, "RoPE layout is GPT-J pairs"),
+        ({"rotary_dim": HEAD_DIM}, f"RoPE covers all {HEAD_DIM} dims of the head"),
+    ],
+    ids=["gptj_where_neox", "full_where_partial"],
+)
+def test_vllm_rope_near_misses_are_reported_and_left_alone(rope_kwargs, reason):
+    our_pass = _recording_pass()
+    eager, compiled, _ = compile_with_vllm_backend(
+        vllm_config({SLOT: our_pass}), lambda: QkNormRope(**rope_kwargs), _rope_inputs()
+    )
+
+    report = our_pass.report
+    assert report.per_variant() == {"vllm_ir.rms_norm": 2}  # the norms still fuse
+    ours = [s for s in report.misses() if reason in s.reason]
+    assert len(ours) == 2, [s.reason for s in report.misses()]  # q's RoPE and k's
+    _assert_close(eager, compiled)

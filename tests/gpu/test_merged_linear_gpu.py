@@ -1,0 +1,43 @@
+"""GPU tier: merged_linear on CUDA: one GEMM launch, merged on an eager call, refused inside a
+capture that comes first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion_compiler.inspect.counting import count_cuda_kernels
+from fusion_compiler.ops import merged_linear as ops
+
+pytestmark = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _weights(*widths, k=1024):
+    return [torch.nn.Parameter(0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for n in widths]
+
+
+@requires_cuda
+def test_one_gemm_after_the_merge_and_replays_in_a_graph():
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    weights = _weights(768, 128, 128)
+    expected = ops.merged_linear_reference(x.float(), [w.detach().float() for w in weights])
+    torch.ops.fusion_compiler.merged_linear(x, weights)  # merges
+    kernels = count_cuda_kernels(lambda: torch.ops.fusion_compiler.merged_linear(x, weights))
+    assert kernels.count <= 2, kernels.names  # one GEMM (cuBLAS may add its split-K reduce)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fusion_compiler.merged_linear(x, weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - expected).norm() / expected.norm() < 1e-2
+
+
+@requires_cuda
+def test_a_capture_before_the_merge_raises():
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    weights = _weights(256, 256)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            torch.ops.fusion_compiler.merged_linear(x, weights)
