@@ -149,6 +149,8 @@ class Step:
     def __init__(self, source: str, model: str, stack: Stack, batch: int, context: int):
         if source == "hf":
             self.hf = make_decode_step(stack.model, batch=batch, context=HF_PREFILL, seed=0, max_cache_len=context)
+            if self.hf.cache_kind != "static":  # a growing cache would recompile on every timed call
+                raise ValueError(f"HF's StaticCache did not build for this model ({self.hf.cache_kind} cache)")
             self.kwargs = self.hf.kwargs
         else:
             layer = importlib.import_module(f"fusion_compiler.model_adapters.{MODELS[model]}.decode_layer")
