@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Device calls for issue 7 (each call is capped at 10 minutes, so one phase a call):
-#   bash bench/decode_gpu_run.sh checks            GPU tier (step graphs, inspect's graph check) +
-#                                                  inspect --device cuda at real widths, 3 models
+#   bash bench/decode_gpu_run.sh tests             the GPU tier (step graphs, inspect's graph check,
+#                                                  merged_linear, the backend on tiny HF models)
+#   bash bench/decode_gpu_run.sh inspect MODEL...  inspect --device cuda at real widths (each model
+#                                                  compiles 6-7 times: allow ~3 min a model)
 #   bash bench/decode_gpu_run.sh decode ARGS...    bench/decode.py ARGS (e.g. --models minimax-m2.5
 #                                                  --batches 1 64); JSON + PNG written after every case
 # Results in $OUT/decode_results.tgz. Every pytest log is grepped for FAILED / E lines.
 OUT=${OUT:-/tmp/out}
 R=$OUT/decode_results
 source bench/device_setup.sh "$R"
-phase=${1:-checks}; shift || true
-if [ "$phase" = checks ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$R/gpu_tier.log" 2>&1
+phase=${1:-tests}; shift || true
+if [ "$phase" = tests ]; then
+  timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu > "$R/gpu_tier.log" 2>&1
   echo "gpu tier: rc=$? $(tail -n 1 "$R/gpu_tier.log")"
   grep -h -E "^FAILED|^E " "$R/gpu_tier.log" | cut -c1-300 | head -n 20
-  for model in minimax-m2.5 qwen3.5 deepseek-v3.2; do
-    timeout 100 fusion-compiler inspect "$model" --device cuda --json "$R/inspect_${model}_real_cuda.json" > "$R/inspect_$model.log" 2>&1
-    echo "inspect $model: rc=$?"; grep -v -i warn "$R/inspect_$model.log" | tail -n 12
+elif [ "$phase" = inspect ]; then
+  for model in "$@"; do
+    timeout 280 fusion-compiler inspect "$model" --device cuda --json "$R/inspect_${model}_real_cuda.json" > "$R/inspect_$model.log" 2>&1
+    echo "inspect $model: rc=$?"; grep -v -i warn "$R/inspect_$model.log" | tail -n 14
   done
 else
   timeout 540 python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
