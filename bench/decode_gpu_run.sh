@@ -6,6 +6,8 @@
 #                                                  compiles 6-7 times: allow ~3 min a model)
 #   bash bench/decode_gpu_run.sh decode ARGS...    bench/decode.py ARGS (e.g. --models minimax-m2.5
 #                                                  --batches 1 64); JSON + PNG written after every case
+#   bash bench/decode_gpu_run.sh gated             the gated norm's kernel tests, then its bench
+#                                                  (bench/kernels.py --gated, ~2 min)
 # Results in $OUT/decode_results.tgz. Every pytest log is grepped for FAILED / E lines.
 OUT=${OUT:-/tmp/out}
 R=$OUT/decode_results
@@ -20,6 +22,12 @@ elif [ "$phase" = inspect ]; then
     timeout 280 fusion-compiler inspect "$model" --device cuda --json "$R/inspect_${model}_real_cuda.json" > "$R/inspect_$model.log" 2>&1
     echo "inspect $model: rc=$?"; grep -v -i warn "$R/inspect_$model.log" | tail -n 14
   done
+elif [ "$phase" = gated ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_rms_norm.py -k gated > "$R/gated_tests.log" 2>&1
+  echo "gated kernel tests: rc=$? $(tail -n 1 "$R/gated_tests.log")"
+  grep -h -E "^FAILED|^E " "$R/gated_tests.log" | cut -c1-300 | head -n 20
+  timeout 300 python3 bench/kernels.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
+  echo "gated bench: rc=$?"; grep -v -i warn "$R/gated_bench.log" | tail -n 8
 else
   timeout 540 python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
   echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30

@@ -1,11 +1,13 @@
-"""Fused residual add + RMSNorm vs eager and stock Inductor, on the H200.
+"""Fused residual add + RMSNorm (and the gated RMSNorm) vs eager and stock Inductor, on the H200.
 
-Every variant runs the same HF-style code (`residual + x`, then LlamaRMSNorm), timed as
+Every variant runs the same HF-style code (`residual + x`, then LlamaRMSNorm; with --gated,
+HF's `Qwen3_5MoeRMSNormGated` at Qwen3.5's GDN dims: 64 value heads x 128 per token), timed as
 CUDA-graph replays in one run: eager, stock Inductor (torch.compile of that code), and
 ours (the same code through the fusion_compiler backend, so the pattern match and the
 custom op are what is timed, not a bare kernel call).
 
     python bench/kernels.py --out bench/results/kernels_h200.json
+    python bench/kernels.py --gated --out bench/results/gated_norm_h200.json
 """
 
 from __future__ import annotations
@@ -46,30 +48,62 @@ def float64_reference(x, residual, weight):
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
 
 
-def bench_shape(tokens: int, hidden: int, copy_gbs: float) -> dict:
+GDN_HEADS, GDN_HEAD_V_DIM = 64, 128  # Qwen3.5-397B's linear-attention value heads
+
+
+def hf_gated_norm(x, gate, weight):
+    """HF's ``Qwen3_5MoeRMSNormGated`` as its GDN layer calls it, per value head."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNormGated
+
+    return Qwen3_5MoeRMSNormGated.forward(_GatedNormState(weight), x.reshape(-1, GDN_HEAD_V_DIM),
+                                          gate.reshape(-1, GDN_HEAD_V_DIM)).reshape(x.shape)  # fmt: skip
+
+
+class _GatedNormState:
+    """The attributes HF's forward reads from its module."""
+
+    def __init__(self, weight):
+        self.weight, self.variance_epsilon, self.activation = weight, EPS, "silu"
+
+
+def float64_gated_reference(x, gate, weight):
+    h = x.double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    return normed * torch.nn.functional.silu(gate.double())
+
+
+def bench_shape(tokens: int, hidden: int, copy_gbs: float, gated: bool = False) -> dict:
     dtype = torch.bfloat16
-    bytes_moved = (4 * tokens * hidden + hidden) * 2  # read x, residual, weight; write out, sum
+    # add_rms_norm reads x, residual, weight and writes out, sum; the gated norm reads x, gate,
+    # weight and writes out.
+    shape = (tokens, GDN_HEADS, GDN_HEAD_V_DIM) if gated else (tokens, hidden)
+    numel = tokens * hidden
+    bytes_moved = ((3 if gated else 4) * numel + shape[-1]) * 2
     rotations = max(1, min(64, (4 * L2_BYTES) // max(1, bytes_moved)))
     sets = [
-        (torch.randn(tokens, hidden, dtype=dtype, device="cuda"), torch.randn(tokens, hidden, dtype=dtype, device="cuda"))
+        (torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, dtype=dtype, device="cuda"))
         for _ in range(rotations)
     ]
-    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(dtype)
+    code, reference = (hf_gated_norm, float64_gated_reference) if gated else (hf_add_rms_norm, float64_reference)
 
     torch._dynamo.reset()
-    stock = torch.compile(hf_add_rms_norm, dynamic=False, fullgraph=True)
+    stock = torch.compile(code, dynamic=False, fullgraph=True)
     backend = fc.FusionBackend(fc.FusionConfig(cudagraphs=False))
-    ours = torch.compile(hf_add_rms_norm, backend=backend, dynamic=False, fullgraph=True)
-    variants = {"eager": hf_add_rms_norm, "inductor": stock, "fusion_compiler": ours}
+    ours = torch.compile(code, backend=backend, dynamic=False, fullgraph=True)
+    variants = {"eager": code, "inductor": stock, "fusion_compiler": ours}
 
     x, r = sets[0]
-    ref_out = float64_reference(x, r, weight)
+    ref_out = reference(x, r, weight)
     row = {"tokens": tokens, "hidden": hidden, "bytes": bytes_moved, "rotations": rotations}
     with torch.no_grad():
         for name, fn in variants.items():
-            out, total = fn(x, r, weight)  # compiles
+            if gated:
+                out = fn(x, r, weight)  # compiles
+            else:
+                out, total = fn(x, r, weight)  # compiles
+                row[f"{name}_sum_exact"] = bool(torch.equal(total, r + x))
             row[f"{name}_rel_err"] = relative_error(out, ref_out)
-            row[f"{name}_sum_exact"] = bool(torch.equal(total, r + x))
             row[f"{name}_kernels"] = common.kernels_in(lambda fn=fn: fn(x, r, weight))
         # Rounds of eager, Inductor, ours one after the other: at 2-5 us one timing per variant
         # swings by more than the 5% bar, so each variant reports the median of its rounds.
@@ -126,6 +160,7 @@ def sweep_launches(tokens: int, hidden: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/kernels_h200.json")
+    parser.add_argument("--gated", action="store_true", help="the gated norm at Qwen3.5's GDN dims, 1/8/64/256 tokens")
     parser.add_argument("--sweep", metavar="TOKENSxHIDDEN", help="only this shape: ours under each (rows, warps) "
                         "launch in turn, stock Inductor timed between them (its own spread)")
     args = parser.parse_args()
@@ -137,23 +172,25 @@ def main() -> None:
     facts = common.device_facts()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []
-    for hidden in HIDDEN:
-        for tokens in TOKENS:
-            rows.append(bench_shape(tokens, hidden, copy_gbs))
-            r = rows[-1]
-            print(
-                f"T={tokens:5d} H={hidden}: eager {r['eager_us']:7.2f} us  inductor {r['inductor_us']:7.2f} us  "
-                f"ours {r['fusion_compiler_us']:7.2f} us ({r['fusion_compiler_pct_copy_bw']:.0f}% copy bw, "
-                f"{r['ours_over_inductor']:.3f}x inductor) kernels e/i/o {r['eager_kernels']}/{r['inductor_kernels']}/{r['fusion_compiler_kernels']}",
-                flush=True,
-            )
+    shapes = [(t, GDN_HEADS * GDN_HEAD_V_DIM) for t in (1, 8, 64, 256)] if args.gated else [
+        (t, h) for h in HIDDEN for t in TOKENS]  # fmt: skip
+    for tokens, hidden in shapes:
+        rows.append(bench_shape(tokens, hidden, copy_gbs, gated=args.gated))
+        r = rows[-1]
+        print(
+            f"T={tokens:5d} H={hidden}: eager {r['eager_us']:7.2f} us  inductor {r['inductor_us']:7.2f} us  "
+            f"ours {r['fusion_compiler_us']:7.2f} us ({r['fusion_compiler_pct_copy_bw']:.0f}% copy bw, "
+            f"{r['ours_over_inductor']:.3f}x inductor) kernels e/i/o {r['eager_kernels']}/{r['inductor_kernels']}/{r['fusion_compiler_kernels']}",
+            flush=True,
+        )
     payload = {
-        "bench": "add_rms_norm kernels",
+        "bench": "gated_rms_norm kernels (HF Qwen3_5MoeRMSNormGated)" if args.gated else "add_rms_norm kernels",
         "facts": facts,
         "copy_bandwidth_gbs": copy_gbs,
         "method": f"CUDA-graph replay, 20 calls per graph, median of 50 replays, median of {ROUNDS} interleaved rounds "
         "(eager, Inductor, ours); inputs rotated over >= 4x L2; "
-        "bytes = read x, residual, weight + write out, sum; % of a same-run 2 GiB D2D copy (read+write)",
+        + ("bytes = read x, gate, weight + write out" if args.gated else "bytes = read x, residual, weight + write out, sum")
+        + "; % of a same-run 2 GiB D2D copy (read+write)",
         "rows": rows,
         "seconds": time.time() - started,
     }

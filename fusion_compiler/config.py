@@ -11,8 +11,11 @@ from types import MappingProxyType
 # Families in the order the pass runs them. Bigger fusions go *before* "add_rms_norm": they
 # take their norms, and the norm family gets what is left. "gqa_prologue" goes before
 # "mla_prologue": both anchor on RoPE, and a GQA site's RoPEs are not MLA candidates. "gdn"
-# takes the Qwen3.5 gated norm (rms(o) * w * silu(z)) that ends each GDN site.
-FAMILY_ORDER: tuple[str, ...] = ("gqa_prologue", "mla_prologue", "moe_routing", "gdn", "add_rms_norm")
+# takes the Qwen3.5 gated norm (rms(o) * w * silu(z)) that ends each GDN site; "gated_rms_norm"
+# takes that norm where no GDN site does (vLLM's opaque GDN core, HF's prefill).
+FAMILY_ORDER: tuple[str, ...] = (
+    "gqa_prologue", "mla_prologue", "moe_routing", "gdn", "gated_rms_norm", "add_rms_norm"
+)
 
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor

@@ -38,17 +38,31 @@ def vllm_config(inductor_compile_config: dict | None = None, **compilation):
     )
 
 
-def compile_with_vllm_backend(config, build, inputs):
+def compile_with_vllm_backend(config, build, inputs, dynamic_batches=()):
     """Build the module under ``config`` (vLLM layers need the current config), then run it
     eagerly and through vLLM's own `VllmBackend` (which adds the slot's pass to its
-    PostGradPassManager). Returns (eager outputs, compiled outputs, the backend)."""
+    PostGradPassManager). Returns (eager outputs, compiled outputs, the backend).
+
+    ``dynamic_batches``: as vLLM's ``@support_torch_compile`` does, dim 0 (tokens) of every
+    input is marked dynamic, and the compiled module is also run on each ``inputs`` of this
+    list (other token counts); eager and compiled outputs are then lists, one per call."""
     from vllm.compilation.backends import VllmBackend
     from vllm.config import set_current_vllm_config
 
     define_missing_c_ops()
     with set_current_vllm_config(config), torch.no_grad():
         module = build()
-        eager = module(*[t.clone() for t in inputs])
         backend = VllmBackend(config)
-        compiled = torch.compile(module, backend=backend)(*[t.clone() for t in inputs])
+        if not dynamic_batches:
+            eager = module(*[t.clone() for t in inputs])
+            compiled = torch.compile(module, backend=backend)(*[t.clone() for t in inputs])
+            return eager, compiled, backend
+        step = torch.compile(module, backend=backend)
+        eager, compiled = [], []
+        for batch in (inputs, *dynamic_batches):
+            copies = [t.clone() for t in batch]
+            for t in copies:
+                torch._dynamo.mark_dynamic(t, 0)
+            eager.append(module(*[t.clone() for t in batch]))
+            compiled.append(step(*copies))
     return eager, compiled, backend

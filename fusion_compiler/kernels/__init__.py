@@ -7,6 +7,7 @@ def _register_versions() -> None:
     from . import gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
+    KERNEL_VERSIONS["gated_rms_norm"] = rms_norm.KERNEL_VERSION  # the same kernel, gated
     KERNEL_VERSIONS["mla_prologue"] = (
         f"{mla_kv_prologue.KERNEL_VERSION}+{mla_q_prologue.KERNEL_VERSION}"
     )
@@ -22,6 +23,7 @@ try:
 except ImportError:
     # No triton (non-Linux): CPU ops still run their references; a CUDA launch raises.
     KERNEL_VERSIONS["add_rms_norm"] = "triton-missing"
+    KERNEL_VERSIONS["gated_rms_norm"] = "triton-missing"
     KERNEL_VERSIONS["mla_prologue"] = "triton-missing"
     KERNEL_VERSIONS["moe_routing"] = "triton-missing"
     KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"

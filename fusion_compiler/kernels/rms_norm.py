@@ -1,11 +1,13 @@
-"""Fused (residual add +) RMSNorm forward: one Triton kernel and its launcher.
+"""Fused (residual add +) RMSNorm forward, optionally gated: one Triton kernel and its launcher.
 
 Semantics (the reference is ``fusion_compiler.ops.rms_norm``; this file must match it):
 
     sum  = x + residual                      # rounded to x.dtype, like eager ``x + residual``
     h    = sum.float()                       # or x.float() without residual
     rstd = rsqrt(mean(h * h, dim=-1) + eps)
-    out  = (h * rstd * (weight.float() + weight_offset)).to(out.dtype)
+    y    = h * rstd * (weight.float() + weight_offset)
+    y    = y * silu(gate.float())            # the gated norm (Qwen3.5 GDN's output norm) only
+    out  = y.to(out.dtype)
 
 ``weight_offset=1.0`` gives the Gemma / Qwen3.5 ``x * (1 + w)`` norm.  The norm is always
 over the last dim; leading dims are collapsed into rows.
@@ -39,7 +41,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch table changes: the compiler hashes it into the
 # Inductor cache key.
-KERNEL_VERSION = "rms_norm-4"
+KERNEL_VERSION = "rms_norm-5"
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -110,15 +112,26 @@ def _load_row_tile(X, R, SUM, rows, cols, mask, stride_x, stride_r, stride_sum,
         return _upcast(x)
 
 
+@triton.jit
+def _apply_gate(y, G, rows, cols, mask, stride_g, HAS_GATE: tl.constexpr):
+    """y · silu(gate), the gate in fp32 (the gated norm); y unchanged without a gate."""
+    if HAS_GATE:
+        g = _upcast(tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0))
+        return y * (g * tl.sigmoid(g))
+    else:
+        return y
+
+
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_fwd_kernel(
-    X, R, W, OUT, SUM,
+    X, R, W, OUT, SUM, G,
     M,
-    stride_x, stride_r, stride_out, stride_sum,
+    stride_x, stride_r, stride_out, stride_sum, stride_g,
     eps, weight_offset,
     N: tl.constexpr,  # the row width: a model constant; full tiles go unmasked
     INDEX64: tl.constexpr,  # row offsets can pass 2**31 elements (long prefill batches)
     HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,  # 1: whole row in registers; else cdiv(N, BLOCK_N) chunks
@@ -142,7 +155,7 @@ def _rms_norm_fwd_kernel(
         h = _load_row_tile(X, R, SUM, rows, cols, mask, stride_x, stride_r, stride_sum,
                            HAS_RESIDUAL, True)
         rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / N + eps)
-        y = h * rstd[:, None] * w[None, :]
+        y = _apply_gate(h * rstd[:, None] * w[None, :], G, rows, cols, mask, stride_g, HAS_GATE)
         tl.store(OUT + rows[:, None] * stride_out + cols[None, :],
                  _downcast(y, OUT.dtype.element_ty), mask=mask)
     else:
@@ -164,7 +177,7 @@ def _rms_norm_fwd_kernel(
             h = _load_row_tile(X, R, SUM, rows, cols, mask, stride_x, stride_r, stride_sum,
                                HAS_RESIDUAL, False)
             w = _upcast(tl.load(W + cols, mask=col_mask, other=0.0)) + weight_offset
-            y = h * rstd[:, None] * w[None, :]
+            y = _apply_gate(h * rstd[:, None] * w[None, :], G, rows, cols, mask, stride_g, HAS_GATE)
             tl.store(OUT + rows[:, None] * stride_out + cols[None, :],
                      _downcast(y, OUT.dtype.element_ty), mask=mask)
 
@@ -205,6 +218,7 @@ def rms_norm_fwd(
     out: torch.Tensor,
     residual: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """Launch the fused (residual add +) RMSNorm kernel; writes ``out`` (and ``sum_out``).
 
@@ -217,6 +231,7 @@ def rms_norm_fwd(
             as [M, N] with unit last-dim stride.
         residual / sum_out: both or neither.  residual has x's shape and dtype; sum_out
             (same shape and dtype) receives ``x + residual`` rounded to x.dtype.
+        gate: x's shape, fp16/bf16/fp32; the output is multiplied by ``silu(gate)`` in fp32.
     ``out`` and ``sum_out`` must not overlap the inputs.  No host syncs: safe to call during
     CUDA-graph capture once the kernel has been compiled (one warm-up call per config).
     """
@@ -239,7 +254,12 @@ def rms_norm_fwd(
                     f"{name} must match x ({tuple(x.shape)}, {x.dtype}), "
                     f"got ({tuple(t.shape)}, {t.dtype})"
                 )
+    if gate is not None:
+        if gate.shape != x.shape or gate.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"gate must have x's shape {tuple(x.shape)} and dtype fp16/bf16/fp32, "
+                             f"got ({tuple(gate.shape)}, {gate.dtype})")  # fmt: skip
     tensors = [x, weight, out] + ([residual, sum_out] if residual is not None else [])
+    tensors += [gate] if gate is not None else []
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"all tensors must be on {x.device}, got {[str(t.device) for t in tensors]}")
     if not (math.isfinite(eps) and eps > 0.0):
@@ -256,6 +276,7 @@ def rms_norm_fwd(
     else:
         # Dummies: never dereferenced when HAS_RESIDUAL is False.
         r2, s2 = x2, out2
+    g2 = _rows_view(gate, n) if gate is not None else x2  # a dummy without a gate
     if weight.stride(0) != 1:
         weight = weight.contiguous()
     m = x2.shape[0]
@@ -265,13 +286,14 @@ def rms_norm_fwd(
 
     def _launch():
         _rms_norm_fwd_kernel[grid](
-            x2, r2, weight, out2, s2,
+            x2, r2, weight, out2, s2, g2,
             m,
-            x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
+            x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), g2.stride(0),
             float(eps), float(weight_offset),
             N=n,
-            INDEX64=m * max(x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), n) >= 2**31,
+            INDEX64=m * max(x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), g2.stride(0), n) >= 2**31,
             HAS_RESIDUAL=residual is not None,
+            HAS_GATE=gate is not None,
             BLOCK_N=block_n,
             ROWS_PER_PROGRAM=rows,
             NUM_CHUNKS=triton.cdiv(n, block_n) if looped else 1,

@@ -1,10 +1,13 @@
-"""Custom ops for the first family: (residual add +) RMSNorm, optional Gemma ``x * (1 + w)``.
+"""Custom ops for the RMSNorm families: (residual add +) RMSNorm, optional Gemma ``x * (1 + w)``,
+and the gated RMSNorm ``rms(x) * w * silu(gate)`` (Qwen3.5 GDN's output norm, norm before gate).
 
     fusion_compiler::rms_norm(Tensor x, Tensor weight, float eps, float weight_offset,
                               ScalarType out_dtype) -> Tensor
     fusion_compiler::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps,
                                   float weight_offset, ScalarType out_dtype)
                                   -> (Tensor out, Tensor sum)
+    fusion_compiler::gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps,
+                                    float weight_offset, ScalarType out_dtype) -> Tensor
 
 Semantics (``*_reference`` below is the numerical truth, in plain torch, on any device):
 
@@ -12,10 +15,14 @@ Semantics (``*_reference`` below is the numerical truth, in plain torch, on any 
     h    = sum.float()                   # or x.float() without residual
     rstd = rsqrt(mean(h * h, dim=-1) + eps)
     out  = (h * rstd * (weight.float() + weight_offset)).to(out_dtype)
+    gated: out = (h * rstd * (weight.float() + weight_offset) * silu(gate.float())).to(out_dtype)
 
 This is vLLM's ``rms_norm`` / ``fused_add_rms_norm`` (fp32 math, weight applied in fp32; Gemma
 passes ``w.float() + 1``).  HF's DeepSeek/MiniMax ``weight * x.to(bf16)`` differs by one bf16
 rounding; with an fp32 weight that product is fp32, which is why ``out_dtype`` is explicit.
+The gated form is vLLM's ``RMSNormGated.forward_static`` (``norm_before_gate=True``, SiLU, no
+groups: all fp32, one rounding); HF's ``Qwen3_5MoeRMSNormGated`` rounds the normalised x to bf16
+and multiplies the weight in bf16 first, one bf16 rounding apart.
 
 Implementations: CPU and every non-CUDA device run the reference; CUDA runs the Triton kernel
 in ``fusion_compiler.kernels.rms_norm`` (no host syncs, outputs from ``torch.empty``, so the op
@@ -35,6 +42,8 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "gated_rms_norm",
+    "gated_rms_norm_reference",
     "rms_norm",
     "rms_norm_reference",
 ]
@@ -95,10 +104,13 @@ def _validate(
 # --------------------------------------------------------------------------------------------
 
 
-def _rms_norm_math(s: torch.Tensor, weight, eps, weight_offset, out_dtype) -> torch.Tensor:
+def _rms_norm_math(s: torch.Tensor, weight, eps, weight_offset, out_dtype, gate=None) -> torch.Tensor:
     h = s.float()
     rstd = torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + eps)
-    return (h * rstd * (weight.float() + weight_offset)).to(out_dtype).contiguous()
+    y = h * rstd * (weight.float() + weight_offset)
+    if gate is not None:
+        y = y * torch.nn.functional.silu(gate.float())
+    return y.to(out_dtype).contiguous()
 
 
 def rms_norm_reference(
@@ -129,6 +141,32 @@ def add_rms_norm_reference(
     return _rms_norm_math(s, weight, eps, weight_offset, out_dtype), s.contiguous()
 
 
+def gated_rms_norm_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain-torch ``rms(x) * w * silu(gate)`` (fp32 math, one rounding); any device."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    _validate(x, None, weight, eps, weight_offset, out_dtype)
+    _validate_gate(x, gate)
+    return _rms_norm_math(x, weight, eps, weight_offset, out_dtype, gate)
+
+
+def _validate_gate(x: torch.Tensor, gate: torch.Tensor) -> None:
+    if gate.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"gate dtype {gate.dtype} not supported; expected one of {SUPPORTED_DTYPES}")
+    if gate.dim() != x.dim():
+        raise ValueError(f"gate shape {tuple(gate.shape)} must equal x shape {tuple(x.shape)}")
+    for d, (gs, xs) in enumerate(zip(gate.shape, x.shape)):
+        require_size_eq(gs, xs, f"gate shape must equal x shape (dim {d})")
+    if gate.device != x.device:
+        raise ValueError(f"gate is on {gate.device}, x on {x.device}")
+
+
 # --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
@@ -139,6 +177,11 @@ _RMS_NORM_SCHEMA = (
 _ADD_RMS_NORM_SCHEMA = (
     "(Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset, "
     "ScalarType out_dtype) -> (Tensor out, Tensor sum)"
+)
+
+_GATED_RMS_NORM_SCHEMA = (
+    "(Tensor x, Tensor gate, Tensor weight, float eps, float weight_offset, "
+    "ScalarType out_dtype) -> Tensor"
 )
 
 
@@ -191,6 +234,29 @@ def _add_rms_norm_cuda(x, residual, weight, eps, weight_offset, out_dtype):
     return out, s
 
 
+@torch.library.custom_op(
+    "fusion_compiler::gated_rms_norm", mutates_args=(), schema=_GATED_RMS_NORM_SCHEMA
+)
+def _gated_rms_norm_op(x, gate, weight, eps, weight_offset, out_dtype):
+    return gated_rms_norm_reference(x, gate, weight, eps, weight_offset, out_dtype)
+
+
+@_gated_rms_norm_op.register_fake
+def _gated_rms_norm_fake(x, gate, weight, eps, weight_offset, out_dtype):
+    _validate(x, None, weight, eps, weight_offset, out_dtype)
+    _validate_gate(x, gate)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@_gated_rms_norm_op.register_kernel("cuda")
+def _gated_rms_norm_cuda(x, gate, weight, eps, weight_offset, out_dtype):
+    _validate(x, None, weight, eps, weight_offset, out_dtype)
+    _validate_gate(x, gate)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _launcher()(x, weight, eps, weight_offset, out, gate=gate)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Python API
 # --------------------------------------------------------------------------------------------
@@ -220,4 +286,18 @@ def add_rms_norm(
     """``torch.ops.fusion_compiler.add_rms_norm``; returns ``(out, x + residual)``."""
     return torch.ops.fusion_compiler.add_rms_norm(
         x, residual, weight, eps, weight_offset, x.dtype if out_dtype is None else out_dtype
+    )
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``torch.ops.fusion_compiler.gated_rms_norm``: ``rms(x) * w * silu(gate)``."""
+    return torch.ops.fusion_compiler.gated_rms_norm(
+        x, gate, weight, eps, weight_offset, x.dtype if out_dtype is None else out_dtype
     )

@@ -129,7 +129,8 @@ def _out_dtype(variant: Variant, x: torch.Tensor, weight: torch.Tensor) -> torch
     return x.dtype
 
 
-def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
+def norm_reason(values: Mapping[str, Any]) -> Reason:
+    """Why the norm itself (eps, x, weight) cannot be fused; shared with the gated norm."""
     eps = values["eps"]
     if not isinstance(eps, (float, int)) or isinstance(eps, bool):
         # Also what happens when Dynamo unspecialises a float attribute after a recompile
@@ -148,6 +149,14 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return "x is an fp32 upcast of a bf16/fp16 tensor (the fp32 trace of this variant matched past the cast)"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight shape {tuple(weight.shape)} is not [{x.shape[-1]}] (the normalised dim)"
+    return None
+
+
+def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
+    reason = norm_reason(values)
+    if reason:
+        return reason
+    x = values["x"]
     if variant.params["fp8"]:
         if FP8 not in values["casts"]:
             return f"the quant casts to {sorted(map(str, values['casts']))}, not float8_e4m3fn"

@@ -42,6 +42,10 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..ops import gdn_decode as gdn_ops
+from .graph_walk import downstream as _downstream
+from .graph_walk import is_silu as _is_silu
+from .graph_walk import target as _target
+from .graph_walk import upstream as _upstream
 from .registry import Family, Reason, Variant
 
 aten = torch.ops.aten
@@ -339,10 +343,6 @@ def replacement(variant: Variant, lowering: str):
 # ------------------------------------------------------------------------------------------
 
 
-def _target(node):
-    return getattr(node, "target", None)
-
-
 def _name(node) -> str:
     return node.name if isinstance(node, torch.fx.Node) else repr(node)
 
@@ -410,36 +410,6 @@ def _column_operand(mul):
         if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[-1] == 1:
             return arg
     return None
-
-
-def _is_silu(node) -> bool:
-    """SiLU as post-grad graphs spell it: aten.silu, or x / (1 + exp(-x))."""
-    if _target(node) is aten.silu.default:
-        return True
-    if _target(node) is not aten.div.Tensor:
-        return False
-    denom = node.args[1]
-    return _target(denom) is aten.add.Tensor and _target(denom.args[0]) is aten.exp.default
-
-
-def _walk(node, want, depth: int, neighbours):
-    """The first node within ``depth`` steps of ``node`` (breadth first) that ``want`` accepts."""
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        for n in frontier:
-            if want(n):
-                return n
-        frontier = [m for n in frontier for m in neighbours(n) if m not in seen]
-        seen.update(frontier)
-    return None
-
-
-def _downstream(node, want, depth: int):
-    return _walk(node, want, depth, lambda n: n.users)
-
-
-def _upstream(node, want, depth: int):
-    return _walk(node, want, depth, lambda n: n.all_input_nodes)
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

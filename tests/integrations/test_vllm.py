@@ -411,7 +411,7 @@ class QkNormRope(nn.Module):
 
 
 def _rope_inputs(tokens=3):
-    positions = torch.tensor([3, 17, 60][:tokens])
+    positions = torch.tensor([3, 17, 60, 8, 33][:tokens])
     return positions, torch.randn(tokens, HEADS * HEAD_DIM, dtype=BF16), torch.randn(tokens, KV_HEADS * HEAD_DIM, dtype=BF16)
 
 
@@ -448,3 +448,89 @@ def test_vllm_rope_near_misses_are_reported_and_left_alone(rope_kwargs, reason):
     ours = [s for s in report.misses() if reason in s.reason]
     assert len(ours) == 2, [s.reason for s in report.misses()]  # q's RoPE and k's
     _assert_close(eager, compiled)
+
+
+# Qwen3.5's GDN output norm (qwen_gdn_linear_attn.py: RMSNormGated(head_v_dim, group_size=None,
+# norm_before_gate=True)), applied per head to the [T, heads, head_v_dim] core output.
+GDN_HEADS, GDN_HEAD_V_DIM = 4, 128
+
+
+class GatedNorm(nn.Module):
+    """vLLM's `RMSNormGated` as the GDN layer calls it: ``self.norm(core_attn_out, z)``."""
+
+    def __init__(self, weight_dtype=BF16, **norm_kwargs):
+        from vllm.model_executor.layers.layernorm import RMSNormGated
+
+        super().__init__()
+        kwargs = {"group_size": None, "norm_before_gate": True, "activation": "silu", **norm_kwargs}
+        self.norm = RMSNormGated(GDN_HEAD_V_DIM, eps=1e-6, dtype=weight_dtype, **kwargs)
+        self.norm.weight.data.normal_(1, 0.2)
+
+    def forward(self, core_attn_out, z):
+        return self.norm(core_attn_out, z)
+
+
+SIGMOID = "the gate is a sigmoid"
+
+
+@pytest.mark.parametrize(
+    "build, fused, reason",
+    [
+        (lambda: GatedNorm(), {"gated_rms_norm.vllm": 1}, None),
+        (lambda: GatedNorm(torch.float32), {"gated_rms_norm.vllm": 1}, None),
+        (lambda: GatedNorm(activation="sigmoid"), {}, SIGMOID),
+        # rms(x·silu(z)): the gate is the norm's input, no gated site; the plain norm after it fuses.
+        (lambda: GatedNorm(norm_before_gate=False), {"rms_norm.hf_weight_last": 1}, None),
+    ],
+    ids=["qwen3_5", "fp32_weight", "sigmoid_gate", "gate_before_norm"],
+)
+def test_vllm_gated_norm_fuses_as_one_op(build, fused, reason):
+    """`RMSNormGated.forward_static` (the GDN layer's ``self.norm(core_attn_out, z)``, outside
+    vLLM's opaque GDN core) reaches the pass as plain aten ops and becomes one
+    ``gated_rms_norm``; a sigmoid gate is a miss with its reason, and with the gate before the
+    norm the plain norm family takes what is a plain norm."""
+    our_pass = _recording_pass()
+    tokens = 3
+    inputs = [torch.randn(tokens, GDN_HEADS, GDN_HEAD_V_DIM, dtype=BF16) for _ in range(2)]
+    eager, compiled, _ = compile_with_vllm_backend(vllm_config({SLOT: our_pass}), build, inputs)
+
+    (targets,) = our_pass.seen
+    aten = torch.ops.aten
+    assert {aten.rsqrt.default, aten.mean.dim} <= set(targets)
+    assert not [t for t in targets if str(t).startswith(("vllm", "_C"))]  # no opaque norm op
+    report = our_pass.report
+    assert report.per_variant() == fused
+    gated_misses = [s.reason for s in report.misses() if s.family == "gated_rms_norm"]
+    if reason is None:
+        assert report.misses() == [], [s.reason for s in report.misses()]
+    else:
+        assert len(gated_misses) == 1 and reason in gated_misses[0], gated_misses
+    _assert_close([eager], [compiled])
+
+
+@pytest.mark.parametrize(
+    "build, make_inputs, fused",
+    [
+        (QkNormRope, _rope_inputs, {"vllm.rope_neox_partial": 2, "vllm_ir.rms_norm": 2}),
+        (GatedNorm, lambda tokens: [torch.randn(tokens, GDN_HEADS, GDN_HEAD_V_DIM, dtype=BF16) for _ in range(2)],
+         {"gated_rms_norm.vllm": 1}),
+    ],
+    ids=["qk_norm_rope", "gated_norm"],
+)
+def test_vllm_dynamic_token_count_compiles_once_and_fuses(build, make_inputs, fused):
+    """vLLM compiles one graph for a range of token counts (dim 0 symbolic): the sites fuse in
+    that graph, and 3 and 5 tokens run through it without a recompile. (vLLM itself runs every
+    size through that graph with Dynamo's guards dropped; plain Dynamo would recompile for one
+    token, its 0/1 specialisation, so the sizes here start at 2.)"""
+    our_pass = _recording_pass()
+    eager, compiled, _ = compile_with_vllm_backend(
+        vllm_config({SLOT: our_pass}, compile_sizes=[]), build, make_inputs(2),
+        dynamic_batches=[make_inputs(3), make_inputs(5)],
+    )
+
+    assert len(our_pass.seen) == 1, f"{len(our_pass.seen)} graphs: the token count recompiled"
+    report = our_pass.report
+    assert report.per_variant() == fused
+    assert report.misses() == []
+    for e, c in zip(eager, compiled):
+        _assert_close(e if isinstance(e, (tuple, list)) else [e], c if isinstance(c, (tuple, list)) else [c])

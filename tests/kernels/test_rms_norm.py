@@ -143,6 +143,48 @@ def test_wide_rows_use_the_chunked_path(n):
     run_case((2, n), torch.float32, torch.bfloat16, torch.float32, 1e-5, 0.0, False, "row_strided", 1)
 
 
+def run_gated_case(shape, x_dtype, gate_dtype, w_dtype, eps, weight_offset, layout, seed, scale=1.0):
+    """The gated norm: ``rms(x) * w * silu(gate)`` against float64, one output rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    x = make_input(shape, x_dtype, layout, gen, scale)
+    gate = make_input(shape, gate_dtype, "row_strided", gen, 3.0)
+    weight = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(w_dtype).to(DEVICE)
+    out_buf, out = poisoned_rows(x.shape, x_dtype)
+    x_before, gate_before = x.clone(), gate.clone()
+
+    K.rms_norm_fwd(x, weight, eps, weight_offset, out, gate=gate)
+
+    ref64, _ = reference64(x, weight, eps, weight_offset)
+    ref64 = ref64 * torch.nn.functional.silu(gate.double())
+    assert_close_to_ref(out, ref64)
+    assert torch.isnan(out_buf[0]).all() and torch.isnan(out_buf[-1]).all(), "wrote outside out"
+    assert_bitwise_equal(x, x_before)
+    assert_bitwise_equal(gate, gate_before)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(1, 12),
+    heads=st.integers(1, 4),
+    n=st.sampled_from([7, 64, 128, 200, 256]),
+    x_dtype=st.sampled_from(FLOAT_DTYPES),
+    gate_dtype=st.sampled_from(FLOAT_DTYPES),
+    w_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    weight_offset=st.sampled_from([0.0, 1.0]),
+    layout=st.sampled_from(["contiguous", "lead_transposed", "last_dim_strided"]),
+    scale=st.sampled_from([1e-3, 1.0, 20.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_gated_kernel_matches_float64_reference(rows, heads, n, x_dtype, gate_dtype, w_dtype, weight_offset,
+                                                layout, scale, seed):
+    run_gated_case((rows, heads, n), x_dtype, gate_dtype, w_dtype, 1e-6, weight_offset, layout, seed, scale)
+
+
+def test_gated_wide_rows_use_the_chunked_path():
+    assert K.launch_config(16400)[3]
+    run_gated_case((2, 16400), torch.bfloat16, torch.bfloat16, torch.bfloat16, 1e-6, 0.0, "contiguous", 3)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_residual_sum_is_bitwise_eager_add_for_any_bit_pattern(dtype):
     # Random bit patterns cover subnormals, huge values (overflow to inf), inf and NaN.
@@ -292,3 +334,12 @@ def test_gpu_cuda_graph_capture_and_replay():
     ref64, ref_sum = reference64(x, w, 1e-6, 1.0, r)
     assert_close_to_ref(out, ref64)
     assert_bitwise_equal(s, ref_sum)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+def test_gpu_gated_norm_at_qwen35_gdn_dims(tokens):
+    # Qwen3.5-397B's GDN output norm: 64 value heads x 128, bf16 x and gate, fp32 or bf16 weight.
+    run_gated_case((tokens, 64, 128), torch.bfloat16, torch.bfloat16, torch.bfloat16, 1e-6, 0.0, "contiguous", tokens)
+    run_gated_case((tokens, 64, 128), torch.bfloat16, torch.bfloat16, torch.float32, 1e-6, 0.0, "contiguous", tokens + 1)

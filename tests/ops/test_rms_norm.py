@@ -1,4 +1,5 @@
-"""fusion_compiler::rms_norm / add_rms_norm: reference semantics, validation, opcheck, compile."""
+"""fusion_compiler::rms_norm / add_rms_norm / gated_rms_norm: reference semantics, validation,
+opcheck, compile."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fusion_compiler.ops.rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
+    gated_rms_norm,
+    gated_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
 )
@@ -169,6 +172,35 @@ def test_opcheck_rms_norm(i):
 @pytest.mark.parametrize("i", range(4))
 def test_opcheck_add_rms_norm(i):
     torch.library.opcheck(OPS.add_rms_norm.default, _opcheck_cases()[i])
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_gated_op_is_fp32_math_with_one_rounding(x_dtype, w_dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 4, 128, generator=g) * 3).to(x_dtype)
+    z = (torch.randn(3, 4, 128, generator=g) * 3).to(x_dtype)
+    w = (torch.randn(128, generator=g) * 0.2 + 1).to(w_dtype)
+    out = gated_rms_norm(x, z, w, 1e-6)
+    assert_same(out, gated_rms_norm_reference(x, z, w, 1e-6))
+    want = float64_math(x, w, 1e-6, 0.0) * torch.nn.functional.silu(z.double())
+    assert out.dtype == x_dtype
+    assert ((out.double() - want).norm() / want.norm()).item() < {torch.float32: 1e-6}.get(x_dtype, 5e-3)
+
+
+@pytest.mark.parametrize(
+    "gate_shape, match", [((3, 1, 128), "gate shape must equal x shape"), ((3, 4), r"gate shape \(3, 4\) must equal")]
+)
+def test_gated_op_rejects_a_gate_of_another_shape(gate_shape, match):
+    x = torch.randn(3, 4, 128)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        gated_rms_norm(x, torch.randn(gate_shape), torch.randn(128), 1e-6)
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_opcheck_gated_rms_norm(i):
+    x, z, w, eps, off, out_dtype = _opcheck_cases()[i]
+    torch.library.opcheck(OPS.gated_rms_norm.default, (x, z, w, eps, off, out_dtype))
 
 
 def _block(x, r, w_gemma, w_plain):

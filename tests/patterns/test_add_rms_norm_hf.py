@@ -39,10 +39,12 @@ class Compiled:
             # This file is about the norm family alone: every RMSNorm module fuses as a norm.
             # (With mla_prologue on, DeepSeek's kv_a_layernorm joins the kv site instead, and with
             # gqa_prologue on, MiniMax's and Qwen3.5's q/k norms join the attention prologue, and
-            # with gdn on, Qwen3.5's gated linear_attn.norm joins its GDN site; routing is
-            # tests/patterns/test_moe_routing.py's.)
+            # with gdn on, Qwen3.5's gated linear_attn.norm joins its GDN site, or with
+            # gated_rms_norm on, fuses whole with its gate (tests/patterns/test_gated_rms_norm.py);
+            # routing is tests/patterns/test_moe_routing.py's.)
             options={"expected": {FAMILY: self.sites}, "strict": True,
-                     "families": {"gqa_prologue": "off", "mla_prologue": "off", "moe_routing": "off", "gdn": "off"}},
+                     "families": {"gqa_prologue": "off", "mla_prologue": "off", "moe_routing": "off", "gdn": "off",
+                                  "gated_rms_norm": "off"}},
         )
         self.eager = make_decode_step(self.model).run(self.model)
         self.fused = make_decode_step(self.model).run(compiled)

@@ -277,7 +277,10 @@ def near_misses():
 
 def test_near_misses_run_unchanged_and_the_exact_spelling_fuses(near_misses):
     report, sites, errors = near_misses
-    assert report.per_variant() == {"slots": 1}, report.format()
+    # Where the GDN core misses, its output norm still fuses on its own (layers 1 and 2, our
+    # reference's fp32 spelling); layer 3 gates before the norm: no gated site.
+    assert report.per_variant() == {"slots": 1, "gated_rms_norm.vllm": 2}, report.format()
+    assert report.per_layer("gated_rms_norm") == {1: 1, 2: 1}
     assert sites[0].status == "matched"
     assert max(errors) < 1e-2
 

@@ -1,0 +1,54 @@
+"""Walking a post-grad graph near a candidate site (what `is_site` and `explain` share)."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def target(node):
+    return getattr(node, "target", None)
+
+
+def is_silu(node) -> bool:
+    """SiLU as post-grad graphs spell it: aten.silu, or x / (1 + exp(-x))."""
+    if target(node) is aten.silu.default:
+        return True
+    if target(node) is not aten.div.Tensor:
+        return False
+    denom = node.args[1]
+    return target(denom) is aten.add.Tensor and target(denom.args[0]) is aten.exp.default
+
+
+def is_sigmoid(node) -> bool:
+    """sigmoid(z) alone (not SiLU's z · sigmoid(z)): aten.sigmoid, or 1 / (1 + exp(-z))."""
+    if target(node) is aten.sigmoid.default:
+        return True
+    if target(node) is aten.reciprocal.default:
+        node = node.args[0]
+    elif target(node) is aten.div.Tensor and not isinstance(node.args[0], torch.fx.Node):
+        node = node.args[1]
+    else:
+        return False
+    return target(node) is aten.add.Tensor and target(node.args[0]) is aten.exp.default
+
+
+def walk(node, want, depth: int, neighbours):
+    """The first node within ``depth`` steps of ``node`` (breadth first) that ``want`` accepts."""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        for n in frontier:
+            if want(n):
+                return n
+        frontier = [m for n in frontier for m in neighbours(n) if m not in seen]
+        seen.update(frontier)
+    return None
+
+
+def downstream(node, want, depth: int):
+    return walk(node, want, depth, lambda n: n.users)
+
+
+def upstream(node, want, depth: int):
+    return walk(node, want, depth, lambda n: n.all_input_nodes)
