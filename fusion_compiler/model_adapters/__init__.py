@@ -19,8 +19,10 @@ from .base import (
     make_decode_step,
     randomize_weights_,
     rms_norm_modules,
+    repeated_layer_types,
     rms_norm_sites,
     router_sites,
+    structural_sites,
 )
 
 ADAPTERS: dict[str, ModelAdapter] = {
@@ -45,8 +47,10 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
 
     The file's widths are used as both the tiny and the real config (write a small config for CPU
     work); ``default_layers`` is its ``num_hidden_layers``. A model_type of one of ``ADAPTERS``
-    keeps that adapter's layer kinds and expected sites; any other has "decoder" layers and
-    expects every RMSNorm that runs and every top-k router.
+    keeps that adapter's layer kinds and expected sites; any other takes its layer kinds from its
+    ``layer_types`` (else "decoder") and its expected sites from its module tree
+    (``base.structural_sites``: q/k-norm attention with partial rotary, Gated DeltaNet layers,
+    top-k routers, every other RMSNorm that runs).
     Raises ValueError if the file is missing, is not a JSON object, has no ``model_type``, or names
     a model_type this transformers does not know.
     """
@@ -87,6 +91,8 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
         tiny_config=cfg,
         default_layers=layers,
         layer_kind_fn=generic_layer_kinds,
+        layer_config_fn=repeated_layer_types,
+        expected_fn=structural_sites,
         # None: leave the choice to transformers (dense models reject any experts_implementation).
         experts_implementation=None,
     )

@@ -51,8 +51,20 @@ def is_rms_norm(module: torch.nn.Module) -> bool:
 
 
 def generic_layer_kinds(config) -> list[str]:
-    """Dense decoder stacks: one "decoder" per layer."""
-    return ["decoder"] * int(config.num_hidden_layers)
+    """A config's ``layer_types`` where it has them (hybrid stacks: Qwen3-Next's
+    "linear_attention" / "full_attention"), else one "decoder" per layer."""
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or [])
+    return types[:n] if len(types) >= n else ["decoder"] * n
+
+
+def repeated_layer_types(cfg: dict, layers: int) -> dict:
+    """``layer_types`` for a stack of ``layers`` from a config file's own list, repeated as its
+    pattern repeats (transformers requires one entry per layer)."""
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return {}
+    return {"layer_types": [types[i % len(types)] for i in range(layers)]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,6 +477,37 @@ def router_sites(model: torch.nn.Module) -> dict[str, int]:
     """MoE routers (HF ``*TopKRouter`` / ``*TopkRouter`` modules): one routing site per call.
     Every MoE layer calls its router once per decode step."""
     return {name: 1 for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")}
+
+
+def gdn_sites(model: torch.nn.Module) -> dict[str, int]:
+    """Gated DeltaNet layers (HF's ``*GatedDeltaNet``: a ``conv1d``, ``A_log``, ``dt_bias`` and the
+    gated output ``norm``, whatever their projections are called): one gdn site each per decode
+    step, which takes that gated norm."""
+    return {name: 1 for name, m in model.named_modules()
+            if all(hasattr(m, a) for a in ("conv1d", "A_log", "dt_bias", "norm"))}  # fmt: skip
+
+
+def _partial_rotary(config) -> bool:
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return factor is not None and float(factor) < 1.0
+
+
+def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Expected sites of a model we have no adapter for, from its module tree and config: q/k-norm
+    attention with partial rotary is a gqa_prologue site (the math gqa_prologue fuses; with full
+    rotary the q/k norms are add_rms_norm sites), a Gated DeltaNet layer a gdn site, a top-k
+    router a moe_routing site, every other RMSNorm that runs an add_rms_norm site."""
+    if _partial_rotary(model.config):
+        sites = qk_norm_attention_sites(model, norms)
+    else:
+        sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model)}
+    gdn = gdn_sites(model)
+    if gdn:
+        taken = {f"{name}.norm" for name in gdn}
+        sites["gdn"] = gdn
+        sites["add_rms_norm"] = {m: n for m, n in sites["add_rms_norm"].items() if m not in taken}
+    return sites
 
 
 def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -7,13 +7,17 @@ k L2-normalised and repeated to the value heads, ``g = -exp(A_log) * softplus(a 
 gated RMSNorm ``rms(o) * w * silu(z)``. Both states are written: in place by the op
 (``auto_functionalized``), or functionally by the canonical decomposition (lowering "inductor").
 
-Two layouts, each as its code writes it:
+Three spellings, each as its code writes it:
 
 * ``hf``: transformers 5.17 ``Qwen3_5MoeGatedDeltaNet``'s cached single-token decode with the
   torch fallbacks Inductor traces when fla and causal-conv1d are absent (``causal_conv1d_update``,
   ``torch_recurrent_gated_delta_rule``, ``Qwen3_5MoeRMSNormGated``): [B, 1, ...] activations,
   the cache's [B, conv_dim, K] conv state and [B, Hv, Dk, Dv] recurrent state written whole
   (``copy_``, functional ``aten.copy`` post-grad), batch row b in state slot b;
+* ``hf_next``: transformers 5.17 ``Qwen3NextGatedDeltaNet``, the same core; its q/k/v/z/b/a come
+  out of interleaved qkvz / ba projections (outside the site: ``mixed_qkv`` is their
+  concatenation, z already [B, 1, heads, Dv]) and its output is restored to z's shape before
+  the flatten, one reshape more than Qwen3.5;
 * ``slots``: a serving engine (model_adapters/qwen35/gdn_reference.py, vLLM's kernels' math in
   torch): [T, ...] rows, one token per sequence, both states gathered and written back at a
   state-slot tensor (``index_put``), conv and norm in fp32 with one rounding each.
@@ -119,6 +123,19 @@ def _dims(mixed_qkv, recurrent_state):
 
 def hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, eps):
     """``Qwen3_5MoeGatedDeltaNet.forward`` between the projections and out_proj, cached decode."""
+    return _hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, eps)
+
+
+def hf_next_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, eps):
+    """``Qwen3NextGatedDeltaNet.forward``: the same core, its output restored to z's
+    [B, T, heads, Dv] before the flatten (its q/k/v/z/b/a come out of the interleaved qkvz / ba
+    projections, which stay outside the site: ``mixed_qkv`` is their concatenation)."""
+    return _hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, eps,
+                      restore_head_shape=True)  # fmt: skip
+
+
+def _hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state, eps,
+               restore_head_shape=False):  # fmt: skip
     batch_size, seq_len, _ = mixed_qkv.shape
     head_k_dim, head_v_dim = recurrent_state.shape[2], recurrent_state.shape[3]
     key_heads, key_dim, value_heads, value_dim = _dims(mixed_qkv, recurrent_state)
@@ -137,8 +154,11 @@ def hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv
         key = key.repeat_interleave(value_heads // key_heads, dim=2)
     core_attn_out, new_state = hf_recurrent_step(query, key, value, g, beta, recurrent_state)
     core_attn_out = core_attn_out.reshape(-1, head_v_dim)
+    z_shape = z.shape
     z = z.reshape(-1, head_v_dim)
     core_attn_out = hf_gated_norm(core_attn_out, z, norm_weight, eps)
+    if restore_head_shape:
+        core_attn_out = core_attn_out.reshape(z_shape)
     return core_attn_out.reshape(batch_size, seq_len, -1), new_conv_state, new_state
 
 
@@ -183,6 +203,7 @@ def slots_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, c
 
 VARIANTS = (
     Variant("hf", hf_decode, {"layout": "hf"}),
+    Variant("hf_next", hf_next_decode, {"layout": "hf"}),
     Variant("slots", slots_decode, {"layout": "slots"}),
 )
 

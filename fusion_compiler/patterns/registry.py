@@ -233,15 +233,25 @@ def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) ->
 
     Tries every registered variant at the anchor and at the nodes up to four users
     downstream of it (where a pattern's output can sit), and returns the first failure: the
-    node the failure names (where the graph left the pattern), else the node tried.
+    node the failure names (where the graph left the pattern), else the node tried. Further
+    downstream it looks for a structural match that Inductor's exact re-trace then refused.
     """
     matcher = matcher_for(family, lowering)
     frontier, seen = [anchor], {anchor}
-    for _ in range(5):
+    for depth in range(_OUTPUT_SEARCH_DEPTH):
         for node in frontier:
             for pattern in _compat.patterns_rooted_at(matcher, node):
                 result = pattern.match(node)
-                if not _compat.is_match(result):
+                if _compat.is_match(result):
+                    # Inductor refuses a structural match before any guard of ours runs when its
+                    # re-trace of the search with the site's real shapes and literals differs, or
+                    # when the match spans an in-place op.
+                    return node, (
+                        f"the pattern's structure matches at {node.name}, but Inductor did not take it: its "
+                        "re-trace with this site's shapes differs (a literal such as a reshape's or split's "
+                        "sizes is not the traced spelling's), or the match spans an in-place op"
+                    )
+                if depth < _FAILURE_SEARCH_DEPTH:
                     # The node the failure names is where the graph left the pattern, when it is one.
                     named = _compat.failed_match_node(result)
                     diverged = named if named is not None and named.graph is node.graph else node
@@ -249,6 +259,12 @@ def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) ->
         frontier = [u for n in frontier for u in n.users if u not in seen]
         seen.update(frontier)
     return None
+
+
+# A failed match names where the graph left the pattern only near the anchor; further on, only a
+# full structural match says anything (a site's output can sit tens of nodes past its anchor).
+_FAILURE_SEARCH_DEPTH = 5
+_OUTPUT_SEARCH_DEPTH = 48
 
 
 def source_text(family: Family) -> str:

@@ -113,6 +113,31 @@ def test_stack_pairs_keep_every_layer_kind_runnable():
     assert stack_pairs(["moe", "moe"]) == {"moe": (("moe", "moe"), ("moe",))}
 
 
+def test_hf_config_with_layer_types_builds_every_stack(tmp_path):
+    """A hybrid model we have no adapter for (Qwen3-Next): its layer kinds come from the file's
+    ``layer_types``, each stack inspect builds gets a list of its own depth (transformers
+    rejects a mismatch), and the expected sites come from the module tree: gdn per
+    linear-attention layer, gqa_prologue for the partial-rotary q/k-norm attention.
+    (tests/patterns/test_gdn.py compiles this model and asserts every site fuses.)"""
+    from fusion_compiler.inspect.run import build_stack, stack_pairs
+    from fusion_compiler.model_adapters import adapter_from_hf_config
+    from model_configs import QWEN3_NEXT
+
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps(QWEN3_NEXT))
+    adapter = adapter_from_hf_config(path)
+    kinds = adapter.layer_kinds(adapter.hf_config("tiny"))
+    assert kinds == QWEN3_NEXT["layer_types"]
+    for larger, smaller in stack_pairs(kinds).values():
+        for stack in (larger, smaller):
+            assert tuple(adapter.layer_kinds(build_stack(adapter, "tiny", stack, "cpu", torch.bfloat16).config)) == stack
+    model = build_stack(adapter, "tiny", tuple(kinds), "cpu", torch.bfloat16)
+    expected = adapter.expected_sites(model)
+    assert expected["gdn"] == {f"model.layers.{i}.linear_attn": 1 for i in range(3)}
+    assert expected["gqa_prologue"] == {"model.layers.3.self_attn": 1}
+    assert not {m for m in expected["add_rms_norm"] if m.endswith(("linear_attn.norm", "q_norm", "k_norm"))}
+
+
 def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
     """A DeepSeek V3.2 config that keeps 1 group of 4 (topk_group 1): Inductor then rewrites the
     group mask into another graph (model_adapters/deepseek_v32), so routing does not match; every

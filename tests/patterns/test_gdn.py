@@ -4,6 +4,8 @@
   8 consecutive decode steps through the fusion backend, strict against the adapter's
   expectations: one gdn site per linear-attention layer (its gated norm inside it), logits and
   both states of every GDN layer equal eager's within bf16 tolerance at every step.
+- HF transformers' Qwen3-Next from a config file alone (no adapter of ours): interleaved qkvz /
+  ba projections and an extra reshape of the output, the same core; strict, every site fuses.
 - Our serving-engine reference (model_adapters/qwen35/gdn_reference.py: state slots, fp32
   conv and norm), a 2-layer stack, both lowerings: one site per layer, outputs and the written
   slots equal eager's over 8 steps, every other slot unchanged.
@@ -17,6 +19,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,7 @@ from fusion_compiler.model_adapters import get_adapter, make_decode_step
 from fusion_compiler.model_adapters.qwen35 import gdn_reference as ref
 from fusion_compiler.patterns import gdn
 from fusion_compiler.verify import relative_error
+from model_configs import QWEN3_NEXT
 
 FAMILY = "gdn"
 STEPS = 8
@@ -94,6 +99,71 @@ def test_hf_logits_and_states_equal_eager_over_eight_steps(hf_qwen):
         assert states[0] == (0.0, 0.0), (t, states)
         for conv, recurrent in states:  # measured <= 5.3e-3 / 9.3e-3 (layer 2, step 6)
             assert conv < 2e-2 and recurrent < 2e-2, (t, states)
+
+
+# ------------------------------------------------------------------------------------------
+# Qwen3-Next: the same math under other module names, through a config file only
+# ------------------------------------------------------------------------------------------
+
+def test_hf_qwen3_next_fuses_from_its_config_file_alone(tmp_path):
+    """Qwen3-Next's GDN layer reads q/k/v/z/b/a out of interleaved qkvz / ba projections and
+    restores the output to [B, T, heads, Dv] before flattening it; the core is Qwen3.5's. From a
+    config JSON (the generic adapter: layer kinds from ``layer_types``, expected sites from the
+    module tree), strict: one gdn site per linear-attention layer (variant ``hf_next``), the
+    full-attention prologue, routing and norms; logits and GDN states equal eager's over 3 steps."""
+    from fusion_compiler.model_adapters import adapter_from_hf_config
+
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps(QWEN3_NEXT))
+    adapter = adapter_from_hf_config(path)
+    model = adapter.build_hf(size="tiny", dtype=torch.bfloat16)
+    expected = adapter.expected_sites(model, batch=2)
+    assert set(expected[FAMILY]) == {f"model.layers.{i}.linear_attn" for i in GDN_LAYERS}
+    assert set(expected["gqa_prologue"]) == {"model.layers.3.self_attn"}
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    compiled = torch.compile(model, backend=backend)
+    eager_step, fused_step = make_decode_step(model, batch=2), make_decode_step(model, batch=2)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for t in range(3):
+            kwargs = {"input_ids": torch.randint(0, model.config.vocab_size, (2, 1), generator=gen),
+                      "position_ids": torch.full((2, 1), eager_step.context + t), "use_cache": True}  # fmt: skip
+            eager = model(**kwargs, past_key_values=eager_step.cache).logits
+            fused = compiled(**kwargs, past_key_values=fused_step.cache).logits
+            assert relative_error(fused, eager) < 2e-2, t
+            for i in GDN_LAYERS:
+                for f, e in zip(_states(fused_step.cache, i), _states(eager_step.cache, i)):
+                    assert relative_error(f, e) < 2e-2, (t, i)
+    report = backend.report
+    assert report.misses() == [] and report.missing_expected() == [], report.format()
+    assert report.per_layer(FAMILY) == {0: 1, 1: 1, 2: 1} and report.per_variant()["hf_next"] == 3
+    assert report.per_layer("gqa_prologue") == {3: 1}
+    assert backend.compiles == 1
+
+
+def test_a_structural_match_inductor_refuses_is_a_miss_that_says_so(tmp_path, monkeypatch):
+    """Without the ``hf_next`` spelling, Qwen3-Next's core fits the ``hf`` pattern's structure
+    (sizes are wildcards) and Inductor's exact re-trace with the real shapes refuses it (the
+    extra reshape), before any guard of ours runs: the miss names the node and says so, instead
+    of "no variant matched"."""
+    import dataclasses
+
+    from fusion_compiler.model_adapters import adapter_from_hf_config
+    from fusion_compiler.passes.fusion_pass import FusionPass
+    from fusion_compiler.patterns import FAMILIES
+
+    only_hf = dataclasses.replace(gdn.FAMILY, variants=tuple(v for v in gdn.VARIANTS if v.name != "hf_next"))
+    monkeypatch.setattr(FusionPass, "families_for", lambda self, name: (only_hf if name == FAMILY else FAMILIES[name],))
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps({**QWEN3_NEXT, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}))
+    model = adapter_from_hf_config(path).build_hf(size="tiny", dtype=torch.bfloat16)
+    off = {f: "off" for f in fc.FAMILY_ORDER if f != FAMILY}
+    backend = fc.FusionBackend(fc.FusionConfig(families=off, merge_projections=False))
+    make_decode_step(model).run(torch.compile(model, backend=backend))
+    (miss,) = backend.report.misses()
+    assert miss.module == "model.layers.0.linear_attn"
+    assert "the pattern's structure matches at" in miss.reason and "re-trace" in miss.reason, miss.reason
+    assert miss.stopped_at in miss.reason
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from ..base import ModelAdapter, qk_norm_attention_sites
+from ..base import ModelAdapter, structural_sites
 
 FULL_ATTENTION_INTERVAL = 4
 
@@ -85,19 +83,6 @@ def layer_kinds(config) -> list[str]:
     return list(config.layer_types[: config.num_hidden_layers])
 
 
-def expected_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
-    """The full-attention layers' sites (``qk_norm_attention_sites``), plus one ``gdn`` site per
-    Gated DeltaNet layer (HF's ``Qwen3_5MoeGatedDeltaNet``: ``in_proj_qkv``, ``conv1d``, ``A_log``,
-    ``dt_bias`` and the gated ``norm``), which takes that gated norm: it is no add_rms_norm site."""
-    sites = qk_norm_attention_sites(model, norms)
-    gdn = {name: 1 for name, m in model.named_modules()
-           if all(hasattr(m, a) for a in ("in_proj_qkv", "conv1d", "A_log", "dt_bias", "norm"))}  # fmt: skip
-    taken = {f"{name}.norm" for name in gdn}
-    sites["gdn"] = gdn
-    sites["add_rms_norm"] = {m: n for m, n in sites["add_rms_norm"].items() if m not in taken}
-    return sites
-
-
 ADAPTER = ModelAdapter(
     name="qwen3.5",
     model_type="qwen3_5_moe_text",
@@ -106,5 +91,7 @@ ADAPTER = ModelAdapter(
     default_layers=4,
     layer_kind_fn=layer_kinds,
     layer_config_fn=_layer_config,
-    expected_fn=expected_sites,
+    # Full-attention layers: gqa_prologue (partial rotary, q/k norms); GDN layers: gdn, which
+    # takes their gated norm.
+    expected_fn=structural_sites,
 )
