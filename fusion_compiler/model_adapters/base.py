@@ -487,6 +487,18 @@ def gdn_sites(model: torch.nn.Module) -> dict[str, int]:
             if all(hasattr(m, a) for a in ("conv1d", "A_log", "dt_bias", "norm"))}  # fmt: skip
 
 
+def mla_sites(model: torch.nn.Module) -> dict[str, int]:
+    """MLA attention (a ``kv_a_layernorm``: DeepSeek V3 / V3.2, Kimi-K2): its kv and q RoPE sites
+    (mla_prologue), and the k and q RoPE sites of a DSA ``indexer`` where it has one."""
+    mla: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_a_proj_with_mqa"):
+            mla[name] = 2
+            if hasattr(module, "indexer"):
+                mla[f"{name}.indexer"] = 2
+    return mla
+
+
 def _partial_rotary(config) -> bool:
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -496,12 +508,18 @@ def _partial_rotary(config) -> bool:
 def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
     """Expected sites of a model we have no adapter for, from its module tree and config: q/k-norm
     attention with partial rotary is a gqa_prologue site (the math gqa_prologue fuses; with full
-    rotary the q/k norms are add_rms_norm sites), a Gated DeltaNet layer a gdn site, a top-k
-    router a moe_routing site, every other RMSNorm that runs an add_rms_norm site."""
+    rotary the q/k norms are add_rms_norm sites), MLA attention mla_prologue sites (which take
+    its kv_a_layernorm), a Gated DeltaNet layer a gdn site, a top-k router a moe_routing site,
+    every other RMSNorm that runs an add_rms_norm site."""
     if _partial_rotary(model.config):
         sites = qk_norm_attention_sites(model, norms)
     else:
         sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model)}
+    mla = mla_sites(model)
+    if mla:
+        taken = {f"{name}.kv_a_layernorm" for name in mla}
+        sites["mla_prologue"] = mla
+        sites["add_rms_norm"] = {m: n for m, n in sites["add_rms_norm"].items() if m not in taken}
     gdn = gdn_sites(model)
     if gdn:
         taken = {f"{name}.norm" for name in gdn}

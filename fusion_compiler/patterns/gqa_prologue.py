@@ -47,6 +47,7 @@ import torch
 from .. import _compat
 from ..ops import gqa_prologue as gqa_ops
 from . import add_rms_norm, mla_prologue
+from .graph_walk import walk
 from .registry import Family, Reason, Variant
 from .spellings import FP8, write_rows
 
@@ -543,13 +544,42 @@ def _is_rotation(node) -> bool:
     return mla_prologue.is_site(node)
 
 
+_GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+
+
+def _normed(node) -> bool:
+    """An RMSNorm's rsqrt upstream of ``node`` with no GEMM between (a q/k norm, not the
+    decoder norm before a projection)."""
+    return walk(node, lambda n: n.target is aten.rsqrt.default, 14,
+                lambda n: [] if n.target in _GEMMS else n.all_input_nodes) is not None  # fmt: skip
+
+
+def _halves_of_one_rotation(first, second) -> bool:
+    """``x1·cos - x2·sin`` and ``x2·cos + x1·sin``: the products of both read the same x halves
+    and the same cos / sin."""
+
+    def factors(node):
+        if not isinstance(node, torch.fx.Node) or node.target not in (aten.sub.Tensor, aten.add.Tensor):
+            return None
+        muls = [a for a in node.args if isinstance(a, torch.fx.Node) and a.target is aten.mul.Tensor]
+        return frozenset(x for m in muls for x in m.args) if len(muls) == 2 else None
+
+    a, b = factors(first), factors(second)
+    return a is not None and a == b
+
+
 def _partial_rope_rows(node) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
         if node.target is aten.cat.default:
+            # [rotated | passed through], or a rotation's own two halves (full rotary). The
+            # latter is a candidate (a near miss: RoPE on all dims) only after a q/k norm:
+            # DeepSeek V3's k_rot, written to its cache straight from kv_a_proj, is no GQA site.
             parts = node.args[0]
-            return len(parts) == 2 and _is_rotation(parts[0])
+            if len(parts) != 2 or not _is_rotation(parts[0]):
+                return False
+            return not _halves_of_one_rotation(*parts) or _normed(parts[0])
         if node.target not in _THROUGH:
             return False
         node = node.args[0]

@@ -124,6 +124,31 @@ def test_hf_logits_match_eager(hf_run):
     assert relative_error(hf_run["fused"], hf_run["eager"]) < 2e-2
 
 
+def test_hf_deepseek_v3_fuses_from_its_config_file_alone(tmp_path):
+    """DeepSeek V3's attention (Kimi-K2's code), no adapter of ours: from its config JSON the
+    expected sites come from the module tree (kv and q per layer, no indexer). Strict: both fuse
+    in each layer, routing and norms too, no candidate left over (its k_rot cache write, full
+    rotary straight from kv_a_proj, is no GQA site); logits equal eager's."""
+    import json
+
+    from fusion_compiler.model_adapters import adapter_from_hf_config
+    from model_configs import DEEPSEEK_V3
+
+    path = tmp_path / "deepseek_v3.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    adapter = adapter_from_hf_config(path)
+    model = adapter.build_hf(size="tiny", dtype=torch.bfloat16)
+    expected = adapter.expected_sites(model)
+    assert expected[FAMILY] == {"model.layers.0.self_attn": 2, "model.layers.1.self_attn": 2}
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    eager = make_decode_step(model).run(model)
+    fused = make_decode_step(model).run(torch.compile(model, backend=backend))
+    report = backend.report
+    assert report.misses() == [] and report.missing_expected() == [], report.format()
+    assert report.per_layer(FAMILY) == {0: 2, 1: 2} and report.per_layer("moe_routing") == {0: 1, 1: 1}
+    assert relative_error(fused, eager) < 2e-2
+
+
 # ------------------------------------------------------------------------------------------
 # Near misses
 # ------------------------------------------------------------------------------------------

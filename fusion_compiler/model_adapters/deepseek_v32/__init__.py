@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import ModelAdapter, router_sites
+from ..base import ModelAdapter, structural_sites
 
 # Real widths: hub config.json / config_671B_v3.2.json (docs/MODELS.md section 1).
 # `first_k_dense_replace` is 3 in the checkpoint (layers 0-2 use a dense 18432 MLP); we override it
@@ -85,23 +85,6 @@ def layer_kinds(config) -> list[str]:
     return ["moe" if t == "sparse" else "dense" for t in config.mlp_layer_types[: config.num_hidden_layers]]
 
 
-def expected_sites(model, norms: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Per attention module with a DSA indexer: the kv and q RoPE sites in the attention, the k
-    and q RoPE sites in the indexer (mla_prologue). kv_a_layernorm fuses into the kv site, so
-    it is not an add_rms_norm site; every other RMSNorm that runs is."""
-    mla: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "indexer") and hasattr(module, "kv_a_layernorm"):
-            mla[name] = 2
-            mla[f"{name}.indexer"] = 2
-    kv_norms = {f"{name}.kv_a_layernorm" for name in mla if not name.endswith(".indexer")}
-    return {
-        "mla_prologue": mla,
-        "add_rms_norm": {m: n for m, n in norms.items() if m not in kv_norms},
-        "moe_routing": router_sites(model),
-    }
-
-
 ADAPTER = ModelAdapter(
     name="deepseek-v3.2",
     model_type="deepseek_v32",
@@ -109,5 +92,7 @@ ADAPTER = ModelAdapter(
     tiny_config=TINY_CONFIG,
     default_layers=2,
     layer_kind_fn=layer_kinds,
-    expected_fn=expected_sites,
+    # Per attention: kv and q sites, the indexer's k and q sites (mla_prologue, which takes
+    # kv_a_layernorm); routing; every other RMSNorm that runs.
+    expected_fn=structural_sites,
 )
