@@ -515,17 +515,17 @@ def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str,
         sites = qk_norm_attention_sites(model, norms)
     else:
         sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model)}
-    mla = mla_sites(model)
-    if mla:
-        taken = {f"{name}.kv_a_layernorm" for name in mla}
-        sites["mla_prologue"] = mla
-        sites["add_rms_norm"] = {m: n for m, n in sites["add_rms_norm"].items() if m not in taken}
-    gdn = gdn_sites(model)
-    if gdn:
-        taken = {f"{name}.norm" for name in gdn}
-        sites["gdn"] = gdn
-        sites["add_rms_norm"] = {m: n for m, n in sites["add_rms_norm"].items() if m not in taken}
+    # Each bigger site takes a norm of its module: kv_a_layernorm into the kv site, the gated
+    # norm into the GDN site.
+    for family, found, norm in (("mla_prologue", mla_sites(model), "kv_a_layernorm"), ("gdn", gdn_sites(model), "norm")):
+        if found:
+            sites[family] = found
+            sites["add_rms_norm"] = _without(sites["add_rms_norm"], {f"{name}.{norm}" for name in found})
     return sites
+
+
+def _without(norms: dict[str, int], taken: set[str]) -> dict[str, int]:
+    return {m: n for m, n in norms.items() if m not in taken}
 
 
 def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -537,7 +537,7 @@ def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> di
     taken = {f"{name}.{norm}" for name in attention for norm in ("q_norm", "k_norm")}
     return {
         "gqa_prologue": attention,
-        "add_rms_norm": {m: n for m, n in norms.items() if m not in taken},
+        "add_rms_norm": _without(norms, taken),
         "moe_routing": router_sites(model),
     }
 

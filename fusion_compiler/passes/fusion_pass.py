@@ -103,14 +103,15 @@ class FusionPass(_compat.CustomGraphPass):
 
     @staticmethod
     def _miss(family: Family, lowering: str, anchor, module, declined) -> Site:
-        where = family.explain(anchor) or failed_match_reason(family, lowering, anchor)
-        # A declined site matched in structure (its guard said no): the anchor stands for it.
-        stopped = where[0] if where and not declined else anchor
         if declined:
-            # The guard's words are the reason; a variant traced for several dtypes
-            # declines once per trace, so say each reason once.
+            # A declined site matched in structure (its guard said no): the anchor stands for it,
+            # and the guard's words are the reason; a variant traced for several dtypes declines
+            # once per trace, so say each reason once.
+            stopped = anchor
             reason = "; ".join(dict.fromkeys(f"{variant}: {why}" for variant, why in declined))
         else:
+            where = family.explain(anchor) or failed_match_reason(family, lowering, anchor)
+            stopped = where[0] if where else anchor
             reason = where[1] if where else "no variant matched"
         return Site(family.name, "missed", None, module, anchor.name, reason, stopped.name, chain(anchor, stopped))
 
