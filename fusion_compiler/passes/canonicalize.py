@@ -34,7 +34,7 @@ _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Returns the number of nodes rewritten."""
-    changed = 0
+    changed = _one_placeholder_per_symbol(graph)
     online = _online_softmax_op()
     online_softmaxes = []
     for node in graph.nodes:
@@ -67,6 +67,27 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     return changed
 
 
+def _one_placeholder_per_symbol(graph: torch.fx.Graph) -> int:
+    """Every use of a size symbol names its first placeholder. Dynamo can pass one symbol (the
+    batch, s16) in through several SymInt placeholders; a pattern's re-trace with the site's
+    shapes has one per symbol, so a `full([arg0_1, 4])` beside an `expand(x, [arg13_1, ...])`
+    of the same s16 was "a repeated pattern that differs" and every site was refused at every
+    batch after the first (dynamic shapes). The same symbol is the same value at run time."""
+    first: dict[object, torch.fx.Node] = {}
+    changed = 0
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.SymInt) or not node.users:
+            continue
+        expr = val.node.expr
+        if expr in first:
+            node.replace_all_uses_with(first[expr])
+            changed += 1
+        else:
+            first[expr] = node
+    return changed
+
+
 def _unsqueezed_put_values(node: torch.fx.Node) -> int:
     """``index_put(x, [i], v.reshape(shape))`` where the reshape only drops leading size-1 dims:
     ``v`` broadcasts to the same rows. A one-row write (decode at batch 1) is traced with that
@@ -92,11 +113,25 @@ def _val_shape(node):
 
 def _static_shape(node: torch.fx.Node) -> int:
     shape, val = node.args[1], node.meta.get("val")
-    if not isinstance(shape, (list, tuple)) or -1 not in shape or not isinstance(val, torch.Tensor):
+    if not isinstance(shape, (list, tuple)) or not isinstance(val, torch.Tensor):
         return 0
-    if not all(isinstance(size, int) for size in val.shape):
-        return 0  # dynamic: -1 stays (the pattern's own trace keeps it too)
-    node.args = (node.args[0], list(val.shape))
+    if all(isinstance(size, int) for size in val.shape):
+        if -1 not in shape:
+            return 0
+        node.args = (node.args[0], list(val.shape))
+        return 1
+    # Dynamic, one symbolic dim: the output's shape with -1 there. Dynamo hands the same symbol
+    # in through several placeholders (HF's `view(-1, E)` became `reshape(x, [arg13_1, E])`
+    # while the `zeros_like` beside it sized itself by `arg0_1`, both s16), and Inductor's
+    # re-trace of a match binds one name per symbol: it refused DeepSeek's router and Qwen3.5's
+    # GDN core at every batch after the first. -1 names no placeholder.
+    symbolic = [i for i, size in enumerate(val.shape) if not isinstance(size, int)]
+    if len(symbolic) != 1 or len(shape) != val.dim():
+        return 0
+    canonical = [-1 if i == symbolic[0] else size for i, size in enumerate(val.shape)]
+    if list(shape) == canonical:
+        return 0
+    node.args = (node.args[0], canonical)
     return 1
 
 

@@ -231,13 +231,16 @@ def _rebound(recorder: MatchRecorder, graph: torch.fx.Graph) -> list[torch.fx.No
 def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """Inductor's own account of why no variant matched near `anchor`.
 
-    Tries every registered variant at the anchor and at the nodes up to four users
-    downstream of it (where a pattern's output can sit), and returns the first failure: the
-    node the failure names (where the graph left the pattern), else the node tried. Further
-    downstream it looks for a structural match that Inductor's exact re-trace then refused.
+    Tries every registered variant at the anchor and at the nodes downstream of it (where a
+    pattern's output can sit). A structural match anywhere there, which Inductor's exact re-trace
+    then refused, is the answer; else the first failure near the anchor: the node the failure
+    names (where the graph left the pattern), else the node tried. (The structural match is
+    looked for first: DeepSeek's router output sits past the anchor's first users, and the first
+    failure there named another variant's mismatch while the real cause was the re-trace.)
     """
     matcher = matcher_for(family, lowering)
     frontier, seen = [anchor], {anchor}
+    first_failure = None
     for depth in range(_OUTPUT_SEARCH_DEPTH):
         for node in frontier:
             for pattern in _compat.patterns_rooted_at(matcher, node):
@@ -251,14 +254,14 @@ def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) ->
                         "re-trace with this site's shapes differs (a literal such as a reshape's or split's "
                         "sizes is not the traced spelling's), or the match spans an in-place op"
                     )
-                if depth < _FAILURE_SEARCH_DEPTH:
+                if depth < _FAILURE_SEARCH_DEPTH and first_failure is None:
                     # The node the failure names is where the graph left the pattern, when it is one.
                     named = _compat.failed_match_node(result)
                     diverged = named if named is not None and named.graph is node.graph else node
-                    return diverged, f"no variant matches at {node.name}: {result}"
+                    first_failure = diverged, f"no variant matches at {node.name}: {result}"
         frontier = [u for n in frontier for u in n.users if u not in seen]
         seen.update(frontier)
-    return None
+    return first_failure
 
 
 # A failed match names where the graph left the pattern only near the anchor; further on, only a

@@ -8,10 +8,11 @@ other site is replaced (patterns/registry.py, ``_cycle_reason``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import paged_kv
+from fusion_compiler.model_adapters import get_adapter, make_decode_step, paged_kv
 from fusion_compiler.model_adapters.minimax_m2 import decode_layer
 from fusion_compiler.verify import relative_error
 
@@ -58,3 +59,28 @@ def test_two_layers_with_a_dynamic_batch_fuse_every_site():
     assert backend.compiles == 1  # one graph for every batch size
     assert backend.report.missing_expected() == []
     assert backend.report.per_module("gqa_prologue") == expected["gqa_prologue"]
+
+
+@pytest.mark.parametrize("model_name", ["deepseek-v3.2", "qwen3.5"])
+def test_hf_model_fuses_every_site_again_after_the_batch_goes_dynamic(model_name):
+    """HF's code at batch 2, then batch 3: Dynamo recompiles with a symbolic batch, and every
+    expected site must fuse in that graph too (strict). Regression (H200 decode bench, batch 8
+    then 64): DeepSeek's router and Qwen3.5's GDN core were refused in the dynamic graph, since
+    Dynamo passed the batch symbol through several placeholders and Inductor's re-trace of a
+    match binds one per symbol; DeepSeek's layer ran 2.6x slower than stock Inductor at batch 64.
+    passes/canonicalize.py now names one placeholder per symbol and spells a dynamic reshape's
+    symbolic dim -1."""
+    adapter = get_adapter(model_name)
+    model = adapter.build_hf(size="tiny", layers=4 if model_name == "qwen3.5" else 2, device="cpu",
+                             dtype=torch.bfloat16, seed=0)  # fmt: skip
+    expected = adapter.expected_sites(model, batch=1, context=16)
+    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for batch in (2, 3):
+            step = make_decode_step(model, batch=batch, context=16, seed=batch, max_cache_len=32)
+            got, want = step.run(compiled), step.run(model)
+            assert relative_error(got.float(), want.float()) < 2e-2, batch
+    assert backend.compiles == 2  # the static batch-2 graph, then one with a symbolic batch
+    assert backend.report.missing_expected() == []

@@ -32,7 +32,13 @@ def hf_prefill():
     backend = fc.FusionBackend(fc.FusionConfig())
     ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        fused = torch.compile(model, backend=backend)(input_ids=ids, use_cache=False).logits
+        # Static shapes, whatever ran before in this process: after a test that recompiled HF's
+        # Qwen3.5 with a dynamic batch, this prefill compiled with symbolic batch *and* sequence
+        # (a state torch._dynamo.reset() does not clear), and one token's logits jumped to 0.31
+        # error while every other stayed near 1e-2: a discrete top-2 expert choice flipping
+        # between near-equal experts (stock Inductor and the inlined routing reference happened
+        # not to flip there). Near ties are documented (ops/moe_route.py); routing has its own tests.
+        fused = torch.compile(model, backend=backend, dynamic=False)(input_ids=ids, use_cache=False).logits
         eager = model(input_ids=ids, use_cache=False).logits
     return dict(report=backend.report, error=relative_error(fused, eager), kinds=adapter.layer_kinds(model.config))
 
