@@ -16,7 +16,9 @@ What is a batch input, and how rows are padded:
   ...) are -1: our ops write no cache or state row for slot -1, so a padded row writes nothing,
   and every op of a decode step is row-wise, so a padded row (zeros elsewhere; its attention may
   be NaN) cannot leak into real rows. A graph with no slot inputs (HF's static cache) is captured
-  per exact batch size instead: there, a padded row would write state.
+  per exact batch size instead: there, a padded row would write state. Its batch inputs are then
+  read in place like the other inputs (address checked; one that moves is copied from then on):
+  HF's cache is a batch input the step writes.
 * Every other input (parameters, caches, tables) is used in place: the graph records its address.
   Parameters are trusted to stay put. Any other tensor input whose address changes between calls
   (an activation of a graph compiled before the batch became dynamic, say) is from then on copied
@@ -223,22 +225,31 @@ class StepGraphs:
         self.last_rows = rows
         return self._slice(bucket.outputs, batch, rows)
 
+    def _in_place(self) -> tuple[int, ...]:
+        """Inputs the graph reads where they are (their address checked): without padding
+        (buckets of the exact batch), the batch inputs too. HF's StaticCache is [B, heads, S, D],
+        a batch input written by the step: copied into a static buffer, the step wrote the copy
+        and the caller's cache never saw the token (and DeepSeek's 21 GB cache at batch 64 was
+        copied every call: 10 ms a layer on the H200)."""
+        return self.plan.movable + (() if self.plan.pads else self.plan.batch)
+
     def _new_bucket(self, args: list, rows: int) -> _Bucket:
         static = list(args)
-        for i in self.plan.batch:
-            a = args[i]
-            static[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
-            static[i].fill_(-1 if i in self.plan.slots else 0)
+        if self.plan.pads:
+            for i in self.plan.batch:
+                a = args[i]
+                static[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
+                static[i].fill_(-1 if i in self.plan.slots else 0)
         for i in self.copied:
             static[i] = torch.empty_like(args[i])
         for i in self.plan.batch_sizes:
             static[i] = rows
-        addresses = {i: args[i].data_ptr() for i in self.plan.movable if i not in self.copied}
+        addresses = {i: args[i].data_ptr() for i in self._in_place() if i not in self.copied}
         return _Bucket(rows, static, addresses)
 
     def _load(self, bucket: _Bucket, args: list, batch: int) -> None:
         """Copy the real rows (and the copied inputs) in; re-pad rows a larger batch left behind."""
-        for i in self.plan.batch:
+        for i in self.plan.batch if self.plan.pads else ():
             buffer = bucket.args[i]
             buffer[:batch].copy_(args[i])
             if bucket.dirty_rows > batch:

@@ -160,3 +160,42 @@ def test_config_checks_buckets():
     assert FusionConfig(cudagraph_buckets=(8, 1, 8)).cudagraph_buckets == (1, 8)
     with pytest.raises(ValueError, match="cudagraph_buckets"):
         FusionConfig(cudagraph_buckets=(0,))
+
+
+class HFStyleStep(torch.nn.Module):
+    """HF's StaticCache shape: the cache has the batch as its leading dim and the step writes its
+    token at a position (no slot inputs: buckets of the exact batch)."""
+
+    def forward(self, hidden, position, cache):
+        cache.index_copy_(1, position, hidden[:, None, :])
+        return cache.sum(dim=1)
+
+
+def test_without_slots_batch_inputs_are_written_in_place_not_copied(monkeypatch):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(HFStyleStep(), backend=backend)
+    for batch in (2, 3):  # the second compile has a symbolic batch
+        compiled(torch.randn(batch, 4), torch.tensor([0]), torch.zeros(batch, 6, 4))
+    gm, inputs = seen["gm"], seen["inputs"]
+    plan = cudagraph.plan_inputs(gm, inputs, DEFAULT_SLOT_INPUTS)
+    assert not plan.pads and len(plan.batch) == 2  # hidden and the cache
+    monkeypatch.setattr(cudagraph.StepGraphs, "_capture", _stand_in_capture)
+    graphs = cudagraph.StepGraphs(gm.forward, plan, DEFAULT_BUCKETS)
+    cache_i = next(i for i in plan.batch if inputs[i].dim() == 3)
+    hidden_i = next(i for i in plan.batch if i != cache_i)
+    position_i = next(i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.dtype == torch.int64)
+    cache, hidden = torch.zeros(3, 6, 4), torch.randn(3, 4)
+    args = list(inputs)
+    args[cache_i], args[hidden_i] = cache, hidden
+    for step in range(3):  # warm-up, capture + replay, replay: each writes its own position
+        args[position_i] = torch.tensor([step])
+        hidden.copy_(torch.randn(3, 4))
+        graphs(*args)
+        torch.testing.assert_close(cache[:, step], hidden)  # the caller's cache holds the token
+    assert cache_i not in graphs.report()["copied_inputs"]
