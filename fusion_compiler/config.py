@@ -57,6 +57,8 @@ class FusionConfig:
     merge_projections: GEMMs left after the families that read the same activation (q / k / v,
         a shared expert's gate / up, ...) become one GEMM over the concatenated weights
         (passes/merge_projections.py; the concatenation is made once, on the first call).
+    decode_attention: a single-query SDPA over HF's ``repeat_kv`` of a K/V cache reads the cache
+        itself, once for all query heads of a K/V head (passes/decode_attention.py).
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.
     cudagraph_buckets: the batch sizes captured; a batch runs in the smallest bucket that holds
@@ -73,6 +75,7 @@ class FusionConfig:
     inductor_cache: bool = False
     horizontal_merge: bool = True
     merge_projections: bool = True
+    decode_attention: bool = True
     cudagraphs: bool = True
     cudagraph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     cudagraph_slot_inputs: tuple[str, ...] = DEFAULT_SLOT_INPUTS
@@ -123,6 +126,7 @@ class FusionConfig:
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
         key["horizontal_merge"] = self.horizontal_merge
         key["merge_projections"] = self.merge_projections
+        key["decode_attention"] = self.decode_attention
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 

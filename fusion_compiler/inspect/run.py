@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -165,6 +166,13 @@ def inspect_model(
     families = list(expected_full) or [FAMILY]
     found = {f: report.per_layer(f) for f in families}
     expected_per_layer = {f: report.expected_per_layer(f) for f in families}
+    # Families found from the graph alone, with no expectation from the module tree
+    # (decode_attention: a site is any single-query SDPA the device lowered to an SDPA op):
+    # their column is fused / candidate sites.
+    for family in sorted({s.family for s in report.sites} - set(families)):
+        families.append(family)
+        found[family] = report.per_layer(family)
+        expected_per_layer[family] = dict(Counter(s.layer for s in report.sites if s.family == family))
     misses = [m for f in families for m in report.misses(f)]
 
     def matches(layer):

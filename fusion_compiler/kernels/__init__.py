@@ -5,6 +5,7 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 def _register_versions() -> None:
     from . import gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
+    from . import decode_attention
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["gated_rms_norm"] = rms_norm.KERNEL_VERSION  # the same kernel, gated
@@ -16,6 +17,7 @@ def _register_versions() -> None:
     KERNEL_VERSIONS["gdn_decode"] = gdn_decode.KERNEL_VERSION
     KERNEL_VERSIONS["gdn"] = gdn_decode.KERNEL_VERSION  # the family's name (patterns/gdn.py)
     KERNEL_VERSIONS["gdn_fla"] = gdn_fla.KERNEL_VERSION  # the family's lowering "fla"
+    KERNEL_VERSIONS["decode_attention"] = decode_attention.KERNEL_VERSION
 
 
 try:

@@ -14,6 +14,7 @@ from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from ..patterns import registry as registry_module
 from . import canonicalize as canonicalize_module
+from . import decode_attention as decode_attention_module
 from . import horizontal as horizontal_module
 from . import merge_projections as merge_projections_module
 from . import rope_gather as rope_gather_module
@@ -69,6 +70,8 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
                 graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
             )
+        if self.config.decode_attention:
+            graph_report.sites.extend(decode_attention_module.fuse_decode_attention(graph))
         if self.config.merge_projections:
             graph_report.merged_projections = merge_projections(graph)
         # Replacements can land before the nodes they read; sort before anything lints.
@@ -143,8 +146,12 @@ def pass_uuid(config: FusionConfig) -> str:
     # What decides the rewritten graph besides the families' own sources: the matching contract
     # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
     for module in (registry_module, canonicalize_module, horizontal_module, merge_projections_module, rope_gather_module,
-                   tp_variance_module):  # fmt: skip
+                   tp_variance_module, decode_attention_module):  # fmt: skip
         digest.update(inspect.getsource(module).encode())
+    if config.decode_attention:
+        from .. import kernels
+
+        digest.update(kernels.KERNEL_VERSIONS.get("decode_attention", "").encode())
     for name in config.enabled_families():
         family = FAMILIES[name]
         digest.update(source_text(family).encode())

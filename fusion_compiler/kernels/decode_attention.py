@@ -1,0 +1,335 @@
+"""GQA single-query ("decode") attention, split-KV flash decoding: two Triton kernels and
+their launcher. Semantics: ``fusion_compiler.ops.decode_attention`` (its reference must match).
+
+    q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]   any strides, H = G * Hkv
+    out[b, h] = softmax(q[b, h] . k[b, h // G]^T * scale (+ mask[b]))  @  v[b, h // G]
+
+Design: one program per (batch, kv head, split) (grid ``(B * Hkv, splits)``) holds *all* G
+query heads of its kv head as a [G_PAD, D_PAD] tile (G padded to >= 16 for ``tl.dot``), so
+every K/V byte is read once, not G times as after HF's ``repeat_kv``. It walks its share of
+the sequence (``tiles_per_split`` tiles of BLOCK_S positions) with an online softmax: scores
+[G_PAD, BLOCK_S] = q @ K^T (fp32 accumulation), times scale, plus the mask (bool: -inf where
+False; float: added), running max m and sum l in fp32, acc [G_PAD, DV_PAD] += p @ V with p
+rounded to V's dtype (the tensor-core operand). D and Dv are padded to powers of two and
+masked (DeepSeek's expanded MLA: D 192, Dv 128).
+
+With one split the program writes ``acc / l`` straight into ``out``. With more, each split
+writes its (m, l, acc) to an fp32 workspace (``torch.empty``: no host syncs, capturable in a
+CUDA graph) and ``_combine_kernel`` (one program per (batch, query head)) rescales and sums
+them. The split count depends on shapes only (``num_splits``): about one program per SM of the
+H200 (132), at least 2 tiles a split, no empty split.
+
+Fully masked rows: every split has m = -inf, l = 0, so the result is 0 / 0 = NaN, like
+``scaled_dot_product_attention``'s. A ``finfo.min`` additive mask (HF's) is added in natural
+units, as the reference does, so a row masked that way everywhere averages v like eager.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``): bf16 loads go through ``_device.upcast``
+and stores through ``downcast``; ``tl.dot`` operands are upcast to fp32 (numpy's half-precision
+matmul would accumulate in half) after rounding p to V's dtype, which is what the GPU's
+bf16 / fp16 MMA computes (exact products, fp32 sums). The interpreter cannot take a loop bound
+from a runtime value (each scalar is a 1-element array, and ``range`` needs ``__index__``), so
+there the loop counts come as constexprs (``INTERP_TILES`` / ``INTERP_BLOCKS``); on the GPU
+they are runtime arguments, so a growing S does not recompile.
+
+Launch parameters (H200, bf16, S 4096, CUDA-graph replay; MiniMax H 48 / Hkv 8 / D 128,
+Qwen3.5 32 / 2 / 256, DeepSeek's expanded MLA 128 / 128 / 192 -> 128; B 1, 8, 64): BLOCK_S 64
+for every D (32 for D 256 was 5-50% slower: Qwen3.5 B 1 14.6 us against 9.5), 4 warps (2 and 8
+within a few %, 8 slower at B 1), Triton's default stages. Splits swept as
+``min(cdiv(tiles, MIN_TILES), cdiv(TARGET, B * Hkv))``: MIN_TILES 2 / TARGET 132 came within
+1% of the per-shape best on average (worst 8%, MiniMax B 64), where 1 / 264 (2 programs per SM)
+was 8% (worst 21%) off. Times with it: MiniMax B 1 / 8 / 64 8.7 / 40 / 265-287 us (the last
+3.7 TB/s of K/V), Qwen3.5 9.5 / 23.5 / 135 us, DeepSeek 83 / 596 / 4713 us (4.1 TB/s); HF's
+repeat_kv + sdpa (bf16 additive mask) took 139 / 1005 / 7838 us on MiniMax, 190 / 1363 / 10780
+on Qwen3.5, 132 / 695 / 5386 on DeepSeek (no repeat there: G = 1).
+
+This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before importing it to
+run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import INTERPRETER, downcast, launch_on_device, round_trip, upcast
+
+KERNEL_VERSION = "decode_attention-1"
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Programs to aim for: ~1 per SM of an H200 (132 SMs); each split takes at least MIN_TILES tiles.
+TARGET_PROGRAMS = 132
+MIN_TILES_PER_SPLIT = 2
+BLOCK_S = 64
+# Splits the combine kernel folds per step.
+_SPLIT_BLOCK = 16
+_NUM_WARPS = 4
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+
+
+def block_s_for(d: int, dv: int) -> int:
+    """Sequence positions per tile (64 for every head size measured, D up to 256)."""
+    return BLOCK_S
+
+
+def num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> tuple[int, int]:
+    """(splits, tiles_per_split) for a grid of ``batch * kv_heads`` rows; shapes only."""
+    tiles = triton.cdiv(seq_len, block_s)
+    splits = max(1, min(triton.cdiv(tiles, MIN_TILES_PER_SPLIT), triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
+    per_split = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, per_split), per_split
+
+
+@triton.jit
+def _mma(a, b):
+    """a @ b with fp32 accumulation: native half-precision MMA on the GPU, IEEE fp32 for fp32
+    operands and under the interpreter (operands upcast)."""
+    if INTERPRETER:
+        return tl.dot(upcast(a), upcast(b), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _p_operand(p, DTYPE: tl.constexpr):
+    """The softmax weights as the P @ V operand: rounded to V's dtype (kept fp32 under the
+    interpreter, which then multiplies in fp32)."""
+    if INTERPRETER:
+        return round_trip(p, DTYPE)
+    else:
+        return downcast(p, DTYPE)
+
+
+@triton.jit
+def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
+          stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+          D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+          BLOCK_S: tl.constexpr, MASK_KIND: tl.constexpr):  # fmt: skip
+    """One BLOCK_S tile of the online softmax; returns the new (m, l, acc)."""
+    s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_s = s < S
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                 mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
+    x = _mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+    valid = in_s
+    if MASK_KIND == 1:
+        keep = tl.load(m_base + s * stride_ms, mask=in_s, other=0)
+        valid = in_s & (keep != 0)
+    elif MASK_KIND == 2:
+        x = x + upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))[None, :]
+    x = tl.where(valid[None, :], x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(x, axis=1))
+    # All -inf so far: subtract 0 instead, so exp gives 0, not exp(-inf + inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m_i - m_safe) * _LOG2E)
+    p = tl.exp2((x - m_safe[:, None]) * _LOG2E)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
+                 mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + _mma(_p_operand(p, vt.dtype), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, MASK, OUT, WS_ACC, WS_ML,
+    S, tiles_per_split, scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_mb, stride_ms,
+    stride_ob, stride_oh, stride_od,
+    H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    MASK_KIND: tl.constexpr,  # 0 none, 1 bool (uint8 view), 2 additive float
+    SPLIT: tl.constexpr,  # write (m, l, acc) to the workspace, else out directly
+    INTERP_TILES: tl.constexpr,  # tiles_per_split, under the interpreter only
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // H_KV).to(tl.int64)
+    kvh = (pid % H_KV).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    g_ok = g < G
+    heads = kvh * G + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    m_base = MASK + b * stride_mb
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    first = split * tiles_per_split
+    # Only the last split can run past S (masked: its loads move no bytes).
+    if INTERPRETER:
+        for i in range(0, INTERP_TILES):
+            m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
+                                  stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND)  # fmt: skip
+    else:
+        for i in range(0, tiles_per_split):
+            m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
+                                  stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND)  # fmt: skip
+    if SPLIT:
+        splits = tl.num_programs(1)
+        row = (b * (H_KV * G) + heads) * splits + split  # [G_PAD]
+        tl.store(WS_ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv < DV)[None, :])
+        tl.store(WS_ML + row * 2, m_i, mask=g_ok)
+        tl.store(WS_ML + row * 2 + 1, l_i, mask=g_ok)
+    else:
+        o = acc / l_i[:, None]  # fully masked: 0 / 0 = NaN, like sdpa
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dv[None, :] * stride_od,
+                 downcast(o, OUT.dtype.element_ty), mask=g_ok[:, None] & (dv < DV)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _combine_kernel(
+    WS_ACC, WS_ML, OUT,
+    splits, split_blocks,
+    stride_ob, stride_oh, stride_od,
+    H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    INTERP_BLOCKS: tl.constexpr,  # split_blocks, under the interpreter only
+):  # fmt: skip
+    row = tl.program_id(0)  # b * H + h
+    b = (row // H).to(tl.int64)
+    h = row % H
+    j = tl.arange(0, SPLIT_BLOCK)
+    dv = tl.arange(0, DV_PAD)
+    ml = WS_ML + row.to(tl.int64) * splits * 2
+    ws = WS_ACC + row.to(tl.int64) * splits * DV
+    # Pass 1: the global max over splits.
+    m_run = tl.full([SPLIT_BLOCK], float("-inf"), tl.float32)
+    if INTERPRETER:
+        for blk in range(0, INTERP_BLOCKS):
+            sj = blk * SPLIT_BLOCK + j
+            m_run = tl.maximum(m_run, tl.load(ml + sj * 2, mask=sj < splits, other=float("-inf")))
+    else:
+        for blk in range(0, split_blocks):
+            sj = blk * SPLIT_BLOCK + j
+            m_run = tl.maximum(m_run, tl.load(ml + sj * 2, mask=sj < splits, other=float("-inf")))
+    m_g = tl.max(m_run, axis=0)  # -inf for a fully masked row: the weights below become NaN
+    # Pass 2: weights exp(m_s - m_g), summed l and acc.
+    l_run = tl.zeros([SPLIT_BLOCK], tl.float32)
+    acc = tl.zeros([DV_PAD], tl.float32)
+    if INTERPRETER:
+        for blk in range(0, INTERP_BLOCKS):
+            l_run, acc = _combine_block(ml, ws, blk * SPLIT_BLOCK + j, dv, splits, m_g, l_run, acc, DV)
+    else:
+        for blk in range(0, split_blocks):
+            l_run, acc = _combine_block(ml, ws, blk * SPLIT_BLOCK + j, dv, splits, m_g, l_run, acc, DV)
+    o = acc / tl.sum(l_run, axis=0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + dv * stride_od, downcast(o, OUT.dtype.element_ty), mask=dv < DV)
+
+
+@triton.jit
+def _combine_block(ml, ws, sj, dv, splits, m_g, l_run, acc, DV: tl.constexpr):
+    ok = sj < splits
+    m_s = tl.load(ml + sj * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(ml + sj * 2 + 1, mask=ok, other=0.0)
+    w = tl.where(ok, tl.exp2((m_s - m_g) * _LOG2E), 0.0)
+    a = tl.load(ws + sj[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+    return l_run + w * l_s, acc + tl.sum(w[:, None] * a, axis=0)
+
+
+def _mask_args(mask: torch.Tensor | None, batch: int, seq_len: int, like: torch.Tensor):
+    """(pointer tensor, stride_b, stride_s, kind) for a mask broadcastable to [B, 1, 1, S]."""
+    if mask is None:
+        return like, 0, 0, MASK_NONE
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, batch) \
+            or mask.shape[3] != seq_len:  # fmt: skip
+        raise ValueError(f"mask must be [{batch} or 1, 1, 1, {seq_len}], got {tuple(mask.shape)}")
+    stride_b = mask.stride(0) if mask.shape[0] > 1 else 0
+    stride_s = mask.stride(3) if seq_len > 1 else 0
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), stride_b, stride_s, MASK_BOOL
+    if mask.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"mask dtype {mask.dtype} not supported (bool, fp16, bf16, fp32)")
+    return mask, stride_b, stride_s, MASK_ADD
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor,
+    splits: int | None = None,
+    block_s: int | None = None,
+) -> None:
+    """Launch decode attention; writes ``out`` [B, H, 1, Dv] (any strides) in q's dtype.
+
+    q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] in one of fp16 / bf16 / fp32, any
+    strides; mask None, bool or additive float, [B or 1, 1, 1, S], any strides. ``splits``
+    (default ``num_splits``) and ``block_s`` (default ``block_s_for``) are for tests.
+    No host syncs; with splits > 1 the fp32 workspace comes from ``torch.empty``.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q [B, H, 1, D], k, v [B, Hkv, S, D] expected, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    batch, heads, _, d = q.shape
+    _, kv_heads, seq_len, dv = v.shape
+    if tuple(k.shape) != (batch, kv_heads, seq_len, d) or v.shape[0] != batch or heads % kv_heads:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if tuple(out.shape) != (batch, heads, 1, dv) or out.dtype != q.dtype:
+        raise ValueError(f"out must be [{batch}, {heads}, 1, {dv}] {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one of fp16 / bf16 / fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if seq_len == 0:
+        raise ValueError("decode attention needs at least one key (S >= 1)")
+    if batch * heads == 0:
+        return
+    group = heads // kv_heads
+    m_ptr, stride_mb, stride_ms, mask_kind = _mask_args(mask, batch, seq_len, q)
+    block_s = block_s or block_s_for(d, dv)
+    tiles = triton.cdiv(seq_len, block_s)
+    if splits is None:
+        splits, per_split = num_splits(batch, kv_heads, seq_len, block_s)
+    else:
+        per_split = triton.cdiv(tiles, max(1, min(splits, tiles)))
+        splits = triton.cdiv(tiles, per_split)
+    split = splits > 1
+    if split:
+        ws_acc = torch.empty((batch * heads * splits * dv,), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((batch * heads * splits * 2,), dtype=torch.float32, device=q.device)
+    else:
+        ws_acc = ws_ml = out  # never dereferenced
+    dv_pad = max(16, triton.next_power_of_2(dv))
+    split_blocks = triton.cdiv(splits, _SPLIT_BLOCK)
+
+    def _launch():
+        _split_kernel[(batch * kv_heads, splits)](
+            q, k, v, m_ptr, out, ws_acc, ws_ml,
+            seq_len, per_split, float(scale),
+            q.stride(0), q.stride(1), q.stride(3),
+            k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+            stride_mb, stride_ms,
+            out.stride(0), out.stride(1), out.stride(3),
+            H_KV=kv_heads, G=group, D=d, DV=dv,
+            G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
+            DV_PAD=dv_pad, BLOCK_S=block_s, MASK_KIND=mask_kind, SPLIT=split,
+            INTERP_TILES=per_split if INTERPRETER else 0,
+            num_warps=_NUM_WARPS,
+        )  # fmt: skip
+        if split:
+            _combine_kernel[(batch * heads,)](
+                ws_acc, ws_ml, out,
+                splits, split_blocks,
+                out.stride(0), out.stride(1), out.stride(3),
+                H=heads, DV=dv, DV_PAD=dv_pad, SPLIT_BLOCK=_SPLIT_BLOCK,
+                INTERP_BLOCKS=split_blocks if INTERPRETER else 0,
+                num_warps=_NUM_WARPS,
+            )  # fmt: skip
+
+    launch_on_device(q, _launch)

@@ -1,0 +1,162 @@
+"""The decode attention kernel (kernels/decode_attention.py) against ``decode_attention_reference``.
+
+CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py), so shapes are small: S up to 70
+(never a multiple of the tile), D and Dv 16-64 and not powers of two, G = H / Hkv of 1, 2 and
+6. q is a transposed [B, 1, H, D] view; masks are None, bool or additive (with -inf or HF's
+``finfo.min``), per batch (causal prefixes of different lengths) or expanded from [1, 1, 1, S]
+(stride 0), or a slice of a longer mask. One split (direct write) and several (workspace +
+combine) are forced. Outputs start as NaN with a NaN guard slab on each side: every element
+of a row with an unmasked position is written, and nothing outside. bf16 agrees with the
+reference to ~1e-2 relative error (p is rounded to V's dtype for the P @ V product), fp16 to
+~2e-3, fp32 to 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_fixtures import DEVICE, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+skip_unless_kernels_can_run()
+
+from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
+from fusion_compiler.kernels import decode_attention as K  # noqa: E402
+from fusion_compiler.ops import decode_attention as op  # noqa: E402
+from fusion_compiler.ops.decode_attention import decode_attention_reference  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+MASKS = ("none", "bool", "add_inf", "add_min", "bool_expanded", "add_expanded", "add_sliced")
+
+
+def _inputs(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, hkv, g, s, d, dv, dtype = c["batch"], c["kv_heads"], c["group"], c["seq"], c["d"], c["dv"], c["dtype"]
+    q = torch.randn(b, 1, hkv * g, d, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)  # [B, H, 1, D] view
+    k = torch.randn(b, hkv, s, d, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(b, hkv, s, dv, generator=gen).to(dtype).to(DEVICE)
+    return q, k, v, _mask(c["mask"], b, s, dtype, gen), d**-0.5
+
+
+def _mask(kind, b, s, dtype, gen):
+    if kind == "none":
+        return None
+    if kind.endswith("expanded"):  # one row for the whole batch: stride 0 on dim 0
+        keep = torch.rand(1, s, generator=gen) < 0.7
+        keep[0, 0] = True
+    else:  # causal prefixes of different lengths per batch, plus a few holes
+        lengths = torch.randint(1, s + 1, (b,), generator=gen)
+        keep = (torch.arange(s)[None, :] < lengths[:, None]) & (torch.rand(b, s, generator=gen) < 0.9)
+        keep[:, 0] = True
+    if kind.startswith("bool"):
+        mask = keep
+    else:
+        masked = torch.finfo(dtype).min if kind == "add_min" else float("-inf")
+        mask = torch.where(keep, torch.randn(keep.shape, generator=gen) * 0.5, masked).to(dtype)
+    if kind == "add_sliced":  # a [B, 1, 1, S] slice of a longer mask: dim 3 stops short of its row
+        mask = torch.cat([mask, torch.zeros(b, 5, dtype=dtype)], dim=1)[:, :s]
+    mask = mask.to(DEVICE)[:, None, None, :]
+    return mask.expand(b, 1, 1, s) if kind.endswith("expanded") else mask
+
+
+def _run(c, splits=None, block_s=None):
+    q, k, v, mask, scale = _inputs(c)
+    ref = decode_attention_reference(q, k, v, mask, scale)
+    buf, out = poisoned(tuple(ref.shape), c["dtype"])
+    K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=block_s)
+    assert_guards_untouched(buf)
+    assert not bool(torch.isnan(out).any()), "an output element was not written"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[c["dtype"]], f"relative error {err:.3g} ({c}, splits={splits}, block_s={block_s})"
+
+
+def _case(**kw):
+    c = dict(batch=3, kv_heads=2, group=6, seq=70, d=24, dv=40, dtype=torch.bfloat16, mask="bool", seed=0)
+    return {**c, **kw}
+
+
+# Splits: 1 (direct write), 3 over 5 tiles of 16 (a short last split), and the default rule.
+@pytest.mark.parametrize(
+    "c, splits, block_s",
+    [
+        (_case(mask="none", group=1, batch=1), 1, None),
+        (_case(mask="bool", dtype=torch.float32), 3, 16),
+        (_case(mask="add_inf", group=2, d=48, dv=16), None, 16),
+        (_case(mask="add_min", dtype=torch.float16, seq=37), 1, 16),
+        (_case(mask="bool_expanded", dtype=torch.float32, group=2, d=16, dv=24, seq=65), 2, None),
+        (_case(mask="add_expanded", group=1, kv_heads=3, d=64, dv=48), 3, 16),
+        (_case(mask="add_sliced", dtype=torch.float32, group=6, seq=70), 1, None),
+        (_case(mask="bool", group=6, seq=70, d=40, dv=24), None, None),
+    ],
+    ids=lambda x: x["mask"] + "-" + str(x["dtype"]).split(".")[1] if isinstance(x, dict) else str(x),
+)
+def test_kernel_matches_reference(c, splits, block_s):
+    _run(c, splits, block_s)
+
+
+@st.composite
+def configs(draw):
+    return dict(
+        batch=draw(st.sampled_from([1, 3])), kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 2, 6])), seq=draw(st.integers(1, 70)),
+        d=draw(st.sampled_from([16, 24, 48, 64])), dv=draw(st.sampled_from([16, 24, 40])),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+        mask=draw(st.sampled_from(MASKS)), seed=draw(st.integers(0, 2**31 - 1)),
+    )  # fmt: skip
+
+
+@settings(max_examples=8, deadline=None)
+@given(c=configs(), splits=st.sampled_from([None, 1, 2, 4]), block_s=st.sampled_from([None, 16]))
+def test_kernel_matches_reference_random(c, splits, block_s):
+    _run(c, splits, block_s)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fully_masked_rows_are_nan_like_sdpa(splits):
+    """Batch 1's row is masked everywhere (bool False / additive -inf): NaN there, as in the
+    reference and sdpa; the other batches' rows are unaffected."""
+    c = _case(batch=3, seq=40, dtype=torch.float32)
+    q, k, v, _, scale = _inputs(c)
+    keep = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)
+    keep[1] = False
+    for mask in (keep[:, None, None, :], torch.where(keep, 0.0, float("-inf"))[:, None, None, :]):
+        ref = decode_attention_reference(q, k, v, mask, scale)
+        out = torch.full_like(ref, float("nan"))
+        K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=16)
+        assert bool(torch.isnan(out[1]).all()) and bool(torch.isnan(ref[1]).all())
+        assert not bool(torch.isnan(out[[0, 2]]).any())
+        assert relative_error(out, ref) < 1e-5
+
+
+def test_op_cuda_impl_runs_the_kernel():
+    """The op's CUDA implementation (validation, output allocation, launch) on this tier's
+    tensors: the registered function called directly."""
+    c = _case(batch=2, kv_heads=2, group=2, seq=50, d=24, dv=24, dtype=torch.bfloat16, mask="add_inf")
+    q, k, v, mask, scale = _inputs(c)
+    out = op._cuda(q, k, v, mask, scale)
+    assert out.shape == (2, 4, 1, 24) and out.is_contiguous() and out.dtype == torch.bfloat16
+    assert relative_error(out, decode_attention_reference(q, k, v, mask, scale)) < 1e-2
+
+
+def test_split_rule_depends_on_shapes_only():
+    # MiniMax (Hkv 8), Qwen3.5 (Hkv 2), DeepSeek expanded MLA (Hkv 128) at S 4096, tiles of 64.
+    assert K.num_splits(1, 8, 4096, 64) == (16, 4)
+    assert K.num_splits(1, 2, 4096, 64) == (32, 2)
+    assert K.num_splits(1, 128, 4096, 64) == (2, 32)
+    assert K.num_splits(8, 8, 4096, 64) == (3, 22)
+    assert K.num_splits(64, 8, 4096, 64) == (1, 64)
+    assert K.num_splits(1, 8, 70, 64) == (1, 2)
+    assert K.num_splits(3, 2, 1, 64) == (1, 1)
+    for b, hkv, s in ((1, 8, 4096), (8, 2, 1000), (1, 1, 131072), (5, 3, 77)):
+        splits, per = K.num_splits(b, hkv, s, 64)
+        tiles = -(-s // 64)
+        assert (splits - 1) * per < tiles <= splits * per, "an empty split"
+    assert K.block_s_for(128, 128) == K.block_s_for(256, 256) == K.block_s_for(192, 128) == 64
+
+
+def test_kernel_version_registered():
+    assert KERNEL_VERSIONS["decode_attention"] == K.KERNEL_VERSION == "decode_attention-1"

@@ -1,0 +1,106 @@
+"""passes/decode_attention.py on HF's real attention code (SDPA over ``repeat_kv``), and near misses.
+
+HF's decode step of each model, tiny widths, CPU (Inductor's CPU flash SDPA op): one
+decode_attention site per attention layer, matched; the logits equal eager's within bf16
+rounding. MiniMax and Qwen3.5's full attention repeat the cache. DeepSeek's expanded MLA cache
+(every head, G = 1, q/k 192 wide and v 128) is not a site on CPU: Inductor decomposes an SDPA
+whose q and v widths differ into its math there; on CUDA it is a cuDNN SDPA op, a site (the H200
+decode bench reports it). Near misses must stay SDPA: a per-head mask, a causal single query;
+prefill (several queries) is not a site at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_compiler as fc
+from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.passes.decode_attention import FAMILY
+from fusion_compiler.verify import relative_error
+
+# model -> (layers built, attention layers among them, variant)
+MODELS = {
+    "minimax-m2.5": (1, ["model.layers.0.self_attn"], "repeat_kv"),
+    "qwen3.5": (4, ["model.layers.3.self_attn"], "repeat_kv"),
+}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_hf_decode_attention_fuses_once_per_attention_layer(model_name):
+    layers, attention_modules, variant = MODELS[model_name]
+    adapter = get_adapter(model_name)
+    model = adapter.build_hf(size="tiny", layers=layers, device="cpu", dtype=torch.bfloat16, seed=0)
+    backend = fc.FusionBackend(fc.FusionConfig(expected=adapter.expected_sites(model, batch=2, context=16)))
+    compiled = torch.compile(model, backend=backend)
+    step = make_decode_step(model, batch=2, context=16, seed=3, max_cache_len=32)
+    got, want = step.run(compiled), step.run(model)
+    assert relative_error(got.float(), want.float()) < 2e-2
+    report = backend.report
+    assert report.per_module(FAMILY) == {m: 1 for m in attention_modules}, report.to_dict()["sites"]
+    assert report.count(FAMILY, variant) == len(attention_modules)
+    assert report.misses(FAMILY) == []
+    assert report.missing_expected() == []
+
+
+def _repeat_kv(x, groups):
+    batch, heads, keys, dim = x.shape
+    return x[:, :, None].expand(batch, heads, groups, keys, dim).reshape(batch, heads * groups, keys, dim)
+
+
+class _Attention(torch.nn.Module):
+    """HF's sdpa_attention_forward in miniature: repeat_kv, then SDPA with the given mask."""
+
+    def __init__(self, **sdpa_kwargs):
+        super().__init__()
+        self.sdpa_kwargs = sdpa_kwargs
+
+    def forward(self, q, k_cache, v_cache, mask):
+        groups = q.shape[1] // k_cache.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, _repeat_kv(k_cache, groups), _repeat_kv(v_cache, groups), attn_mask=mask, **self.sdpa_kwargs
+        )
+
+
+def _inputs(queries=1, mask_heads=1, batch=2, heads=4, kv_heads=2, keys=24, dim=32):
+    gen = torch.Generator().manual_seed(queries * 10 + mask_heads)
+    q = torch.randn(batch, heads, queries, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(batch, kv_heads, keys, dim, generator=gen).bfloat16() for _ in range(2))
+    lengths = torch.tensor([keys - 5, keys - 11])[:batch]
+    mask = (torch.arange(keys)[None, None, None, :] < lengths[:, None, None, None]).expand(batch, mask_heads, queries, keys)
+    return q, k, v, mask.contiguous()
+
+
+def _compile(module, *inputs):
+    backend = fc.FusionBackend(fc.FusionConfig())
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend)(*inputs)
+        want = module(*inputs)
+    return backend.report, out, want
+
+
+def test_a_one_row_mask_fuses_and_equals_sdpa():
+    report, out, want = _compile(_Attention(), *_inputs())
+    assert report.count(FAMILY, "repeat_kv") == 1
+    assert relative_error(out.float(), want.float()) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("module", "inputs", "reason"),
+    [
+        (_Attention(), _inputs(mask_heads=4), "per head or per query"),
+        (_Attention(is_causal=True), _inputs()[:3] + (None,), "is_causal"),
+    ],
+    ids=["per_head_mask", "causal_single_query"],
+)
+def test_near_misses_stay_sdpa_with_a_reason(module, inputs, reason):
+    report, out, want = _compile(module, *inputs)
+    assert report.count(FAMILY) == 0
+    (miss,) = report.misses(FAMILY)
+    assert reason in miss.reason
+    assert relative_error(out.float(), want.float()) < 1e-2
+
+
+def test_prefill_is_not_a_site():
+    report, _, _ = _compile(_Attention(), *_inputs(queries=3))
+    assert [s for s in report.sites if s.family == FAMILY] == []
