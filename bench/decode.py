@@ -348,6 +348,9 @@ def run_case(source: str, model: str, kind: str, batches: list[int], args, bandw
                         traceback.print_exc()
                 row["seconds"] = time.perf_counter() - started
                 results[mode] = row
+                if not args.smoke:  # raw per-stack numbers in the log: a run cut short mid-case keeps them
+                    raw = {key: row[key] for key in ("us", "kernels", "graph_kernel_nodes", "vs_eager", "seconds") if key in row}
+                    print(f"  {source} {model} {kind} {len(kinds)}L batch {batch} {mode}: {raw}", flush=True)
             per_stack[label][batch] = {"modes": results, "state_bytes": step.state_bytes(), "weight_bytes": stack.weight_bytes,
                                        "expert_bytes": stack.expert_bytes, "experts": stack.experts}  # fmt: skip
             del step
