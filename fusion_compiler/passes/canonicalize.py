@@ -111,6 +111,16 @@ def _val_shape(node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def reshape_sizes(shape) -> list | None:
+    """A reshape's sizes for an output of ``shape`` that name no symbol: the shape itself when
+    static, -1 at its one symbolic dim, None with two or more (a pass building a reshape then
+    needs the graph's own size nodes)."""
+    symbolic = [i for i, size in enumerate(shape) if not isinstance(size, int)]
+    if len(symbolic) > 1:
+        return None
+    return [-1 if i in symbolic else size for i, size in enumerate(shape)]
+
+
 def _static_shape(node: torch.fx.Node) -> int:
     shape, val = node.args[1], node.meta.get("val")
     if not isinstance(shape, (list, tuple)) or not isinstance(val, torch.Tensor):
@@ -125,11 +135,8 @@ def _static_shape(node: torch.fx.Node) -> int:
     # while the `zeros_like` beside it sized itself by `arg0_1`, both s16), and Inductor's
     # re-trace of a match binds one name per symbol: it refused DeepSeek's router and Qwen3.5's
     # GDN core at every batch after the first. -1 names no placeholder.
-    symbolic = [i for i, size in enumerate(val.shape) if not isinstance(size, int)]
-    if len(symbolic) != 1 or len(shape) != val.dim():
-        return 0
-    canonical = [-1 if i == symbolic[0] else size for i, size in enumerate(val.shape)]
-    if list(shape) == canonical:
+    canonical = reshape_sizes(val.shape)
+    if canonical is None or len(shape) != val.dim() or list(shape) == canonical:
         return 0
     node.args = (node.args[0], canonical)
     return 1

@@ -129,6 +129,8 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
         row = _mask_row(mask, batch, keys) if reason is None and mask is not None else None
         if isinstance(row, str):
             reason = row
+        elif row is not None and row[1] is not keys and not isinstance(keys, int):
+            reason = f"the mask's {row[1]} columns against a symbolic key count {keys}: no slice to build"
         if reason is not None:
             site.reason = reason
             sites.append(site)

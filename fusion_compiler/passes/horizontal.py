@@ -22,6 +22,7 @@ import torch
 
 from .. import _compat
 from ..module_paths import layer_of, module_path
+from .canonicalize import reshape_sizes
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import mla_q_prologue as q_ops
 
@@ -262,7 +263,9 @@ def _replace_group(graph: torch.fx.Graph, kind: str, group: list[Member], order:
             with graph.inserting_after(new):
                 out = graph.call_function(operator.getitem, (new, 0))
                 out.meta["val"] = new.meta["val"][0]
-                view = graph.call_function(aten.reshape.default, (out, list(m.node.meta["val"].shape)))
+                # -1 at a dynamic batch: a raw SymInt in a node's arguments is not a graph value
+                sizes = reshape_sizes(m.node.meta["val"].shape) or list(m.node.meta["val"].shape)
+                view = graph.call_function(aten.reshape.default, (out, sizes))
                 view.meta["val"] = m.node.meta["val"]
             m.node.replace_all_uses_with(view)
         else:
