@@ -247,26 +247,31 @@ def time_us(run: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
-def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[dict, torch.Tensor, list]:
-    """One mode on one step: its output and written state (from the restored inputs), kernels,
-    graph nodes and µs."""
-    row: dict = {}
-    replays_before = [g.replays for g in compiled.backend.step_graphs] if compiled.backend is not None else []
+def prepare(mode: str, compiled: Compiled, step: Step) -> tuple[Callable[[], object], torch.Tensor, torch.cuda.CUDAGraph | None]:
+    """The call a mode is timed by (a replay for the hand-captured modes), warmed up, with the
+    output of one run from the restored inputs and the hand-captured graph, if any."""
     step.restore()
     if mode in GRAPH_MODES:
         graph, out = capture(step, compiled.fn)
         step.restore()
         graph.replay()
-        run = graph.replay
+        return graph.replay, out, graph
+    # Three calls from the same inputs: the compile / warm-up, the capture (our step graphs,
+    # reduce-overhead's recording), then the output compared: a replay where there is one.
+    for _ in range(2):
+        step.call(compiled.fn)
+        step.restore()
+    return (lambda: step.call(compiled.fn)), step.call(compiled.fn), None
+
+
+def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[dict, torch.Tensor, list]:
+    """One mode on one step: its output and written state (from the restored inputs), kernels,
+    graph nodes and µs."""
+    row: dict = {}
+    replays_before = [g.replays for g in compiled.backend.step_graphs] if compiled.backend is not None else []
+    run, out, graph = prepare(mode, compiled, step)
+    if graph is not None:
         row["graph_kernel_nodes"] = kernel_nodes(graph)
-    else:
-        # Three calls from the same inputs: the compile / warm-up, the capture (our step graphs,
-        # reduce-overhead's recording), then the output compared: a replay where there is one.
-        for _ in range(2):
-            step.call(compiled.fn)
-            step.restore()
-        out = step.call(compiled.fn)
-        run = lambda: step.call(compiled.fn)  # noqa: E731
     if out.is_cuda:
         torch.cuda.synchronize()
     out = out.detach().clone()

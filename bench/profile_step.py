@@ -28,19 +28,6 @@ MODES = ("inductor_graph", "fusion_compiler")
 CALLS = 20
 
 
-def runner(mode: str, compiled: decode.Compiled, step: decode.Step):
-    """The callable decode.py times for ``mode`` (a replay for the graph modes), warmed up."""
-    step.restore()
-    if mode in decode.GRAPH_MODES:
-        graph, _ = decode.capture(step, compiled.fn)
-        step.restore()
-        return graph.replay
-    for _ in range(2):
-        step.call(compiled.fn)
-        step.restore()
-    return lambda: step.call(compiled.fn)
-
-
 def kernel_times(run) -> dict[str, dict[str, float]]:
     """Device µs and launches per call, by kernel name (memcpy / memset included: they cost too)."""
     from torch.profiler import ProfilerActivity, profile
@@ -71,7 +58,7 @@ def profile_case(model: str, kind: str, batch: int, context: int) -> dict:
         step = decode.Step("hf", model, stack, batch, context)
         stacks[label] = {}
         for mode in MODES:
-            run = runner(mode, compiled[mode], step)
+            run, _, _ = decode.prepare(mode, compiled[mode], step)
             step.restore()
             wall = decode.time_us(run)
             step.restore()

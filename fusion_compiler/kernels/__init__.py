@@ -4,8 +4,7 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
-    from . import decode_attention
+    from . import decode_attention, gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["gated_rms_norm"] = rms_norm.KERNEL_VERSION  # the same kernel, gated

@@ -50,8 +50,6 @@ def _validate(q, k, v, mask, scale) -> tuple[int, int, int]:
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, heads, q_len, head_dim = q.shape
-    if isinstance(q_len, int) and q_len != 1:
-        raise ValueError(f"decode_attention takes one query per sequence: q must be [B, H, 1, D], got {tuple(q.shape)}")
     require_size_eq(q_len, 1, "q dim 2 (one query per sequence)")
     _, kv_heads, seq_len, _ = k.shape
     dv = v.shape[3]

@@ -26,6 +26,8 @@ import operator
 
 import torch
 
+from ..patterns.graph_walk import val_shape
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -96,7 +98,7 @@ def _unsqueezed_put_values(node: torch.fx.Node) -> int:
     if getattr(values, "target", None) not in (aten.reshape.default, aten.view.default):
         return 0
     source = values.args[0]
-    before, after, target = (_val_shape(n) for n in (source, values, node.args[0]))
+    before, after, target = (val_shape(n) for n in (source, values, node.args[0]))
     if None in (before, after, target) or len(before) <= len(after) or len(before) > len(target):
         return 0
     extra = len(before) - len(after)
@@ -104,11 +106,6 @@ def _unsqueezed_put_values(node: torch.fx.Node) -> int:
         return 0
     node.args = (node.args[0], node.args[1], source, *node.args[3:])
     return 1
-
-
-def _val_shape(node):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def reshape_sizes(shape) -> list | None:

@@ -24,11 +24,11 @@ import operator
 import torch
 
 from ..module_paths import module_path
+from ..patterns.graph_walk import RESHAPES, val_shape
 from .report import Site
 
 aten = torch.ops.aten
 FAMILY = "decode_attention"
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _sdpa_ops() -> tuple:
@@ -47,16 +47,11 @@ def _arg(node: torch.fx.Node, name: str, default=None):
     return default
 
 
-def _shape(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _unrepeated(kv: torch.fx.Node, heads: int) -> tuple[torch.fx.Node, int] | None:
     """(the cache before ``repeat_kv``, its head count) for a ``reshape(clone(expand(
     unsqueeze(cache, 2))))``; the node itself when it has every head (no repeat)."""
     node = kv
-    while node.op == "call_function" and node.target in _RESHAPES:
+    while node.op == "call_function" and node.target in RESHAPES:
         node = node.args[0]
     if node.op == "call_function" and node.target is aten.clone.default:
         node = node.args[0]
@@ -64,10 +59,10 @@ def _unrepeated(kv: torch.fx.Node, heads: int) -> tuple[torch.fx.Node, int] | No
         unsqueezed = node.args[0]
         if unsqueezed.op == "call_function" and unsqueezed.target is aten.unsqueeze.default and unsqueezed.args[1] == 2:
             cache = unsqueezed.args[0]
-            shape, repeated = _shape(cache), _shape(node)
+            shape, repeated = val_shape(cache), val_shape(node)
             if shape and repeated and len(shape) == 4 and len(repeated) == 5 and repeated[1] * repeated[2] == heads:
                 return cache, shape[1]
-    shape = _shape(kv)
+    shape = val_shape(kv)
     return (kv, heads) if shape and len(shape) == 4 and shape[1] == heads else None
 
 
@@ -76,7 +71,7 @@ def _mask_row(mask: torch.fx.Node, batch: int, keys: int) -> tuple[torch.fx.Node
     alignment pad and slice SDPA's lowering adds; else why not."""
     node = mask
     while True:
-        shape = _shape(node)
+        shape = val_shape(node)
         if shape is None or len(shape) != 4:
             return f"the mask is {shape}, not 4-D"
         if shape[1] == 1 and shape[2] == 1 and shape[0] in (1, batch) and shape[3] >= keys:
@@ -91,7 +86,7 @@ def _mask_row(mask: torch.fx.Node, batch: int, keys: int) -> tuple[torch.fx.Node
             node = node.args[0]
         else:
             break
-    return f"the mask {_shape(mask)} is per head or per query ({node.name} {_shape(node)}), not one row of keys per sequence"
+    return f"the mask {val_shape(mask)} is per head or per query ({node.name} {val_shape(node)}), not one row of keys per sequence"
 
 
 def _decline(node: torch.fx.Node) -> str | None:
@@ -113,7 +108,7 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
     sites = []
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _sdpa_ops()]:
         q, k, v = node.args[:3]
-        q_shape = _shape(q)
+        q_shape = val_shape(q)
         if q_shape is None or len(q_shape) != 4 or q_shape[2] != 1:
             continue  # prefill (or unknown): not a decode site
         batch, heads = q_shape[0], q_shape[1]
@@ -122,10 +117,10 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
         mask = _arg(node, "attn_mask", _arg(node, "attn_bias"))
         reason = _decline(node)
         if reason is None and None in sources:
-            reason = f"K or V is not [B, heads, S, D] nor HF's repeat_kv of a cache ({_shape(k)}, {_shape(v)})"
+            reason = f"K or V is not [B, heads, S, D] nor HF's repeat_kv of a cache ({val_shape(k)}, {val_shape(v)})"
         if reason is None and sources[0][1] != sources[1][1]:
             reason = f"K and V have {sources[0][1]} and {sources[1][1]} heads"
-        keys = _shape(k)[2] if reason is None else 0
+        keys = val_shape(k)[2] if reason is None else 0
         row = _mask_row(mask, batch, keys) if reason is None and mask is not None else None
         if isinstance(row, str):
             reason = row

@@ -20,9 +20,9 @@ from collections import defaultdict
 import torch
 
 from ..ops import merged_linear as merged_ops
+from ..patterns.graph_walk import RESHAPES
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _weight_of(transposed: torch.fx.Node) -> torch.fx.Node | None:
@@ -43,7 +43,7 @@ def _weight_of(transposed: torch.fx.Node) -> torch.fx.Node | None:
 
 def _activation_key(x: torch.fx.Node) -> tuple:
     """The same activation read through the same reshape: one key."""
-    if x.op == "call_function" and x.target in _RESHAPES:
+    if x.op == "call_function" and x.target in RESHAPES:
         return (x.args[0], tuple(x.args[1]))
     return (x, None)
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 aten = torch.ops.aten
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def val_shape(node) -> tuple | None:
+    """The shape of a node's fake value, None when it holds no tensor."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def target(node):
