@@ -17,6 +17,11 @@ FAMILY_ORDER: tuple[str, ...] = (
     "gqa_prologue", "mla_prologue", "moe_routing", "gdn", "gated_rms_norm", "add_rms_norm"
 )
 
+# Rewrites keyed on the graph alone, outside the families' pattern registry, in the order they
+# run after the families; each is a bool field of FusionConfig of the same name. Their sites are
+# reported like a family's, and may be expected.
+GRAPH_PASSES: tuple[str, ...] = ("dsa_topk_mask", "decode_attention")
+
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor
 fuses itself; off: the family does not run (its sites are not reported either)."""
@@ -59,6 +64,9 @@ class FusionConfig:
         (passes/merge_projections.py; the concatenation is made once, on the first call).
     decode_attention: a single-query SDPA over HF's ``repeat_kv`` of a K/V cache reads the cache
         itself, once for all query heads of a K/V head (passes/decode_attention.py).
+    dsa_topk_mask: DeepSeek V3.2's DSA indexer scores, top-k and the scatter of its indices into
+        the attention mask become one op (passes/dsa_topk_mask.py: a score kernel and a radix
+        select, no sort).
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.
     cudagraph_buckets: the batch sizes captured; a batch runs in the smallest bucket that holds
@@ -76,6 +84,7 @@ class FusionConfig:
     horizontal_merge: bool = True
     merge_projections: bool = True
     decode_attention: bool = True
+    dsa_topk_mask: bool = True
     cudagraphs: bool = True
     cudagraph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     cudagraph_slot_inputs: tuple[str, ...] = DEFAULT_SLOT_INPUTS
@@ -91,7 +100,7 @@ class FusionConfig:
                 raise ValueError(
                     f"family {family!r}: lowering {lowering!r} is not one of {list(lowerings_of(family))}"
                 )
-        unknown_expected = sorted(set(self.expected) - set(FAMILY_ORDER))
+        unknown_expected = sorted(set(self.expected) - set(FAMILY_ORDER) - set(GRAPH_PASSES))
         if unknown_expected:
             raise ValueError(f"expected sites given for unknown families {unknown_expected}")
         buckets = tuple(self.cudagraph_buckets)
@@ -108,6 +117,9 @@ class FusionConfig:
 
     def lowering(self, family: str) -> str:
         return self.families.get(family, self.default_lowering)
+
+    def disabled_graph_passes(self) -> tuple[str, ...]:
+        return tuple(name for name in GRAPH_PASSES if not getattr(self, name))
 
     def enabled_families(self) -> tuple[str, ...]:
         return tuple(f for f in FAMILY_ORDER if self.lowering(f) != "off")
@@ -126,7 +138,7 @@ class FusionConfig:
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
         key["horizontal_merge"] = self.horizontal_merge
         key["merge_projections"] = self.merge_projections
-        key["decode_attention"] = self.decode_attention
+        key.update({name: getattr(self, name) for name in GRAPH_PASSES})
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 

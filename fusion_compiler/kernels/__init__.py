@@ -4,7 +4,7 @@ KERNEL_VERSIONS: dict[str, str] = {}
 
 
 def _register_versions() -> None:
-    from . import decode_attention, gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
+    from . import decode_attention, dsa_topk_mask, gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
 
     KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
     KERNEL_VERSIONS["gated_rms_norm"] = rms_norm.KERNEL_VERSION  # the same kernel, gated
@@ -17,6 +17,7 @@ def _register_versions() -> None:
     KERNEL_VERSIONS["gdn"] = gdn_decode.KERNEL_VERSION  # the family's name (patterns/gdn.py)
     KERNEL_VERSIONS["gdn_fla"] = gdn_fla.KERNEL_VERSION  # the family's lowering "fla"
     KERNEL_VERSIONS["decode_attention"] = decode_attention.KERNEL_VERSION
+    KERNEL_VERSIONS["dsa_topk_mask"] = dsa_topk_mask.KERNEL_VERSION
 
 
 try:
@@ -31,3 +32,4 @@ except ImportError:
     KERNEL_VERSIONS["gdn_decode"] = "triton-missing"
     KERNEL_VERSIONS["gdn"] = "triton-missing"
     KERNEL_VERSIONS["gdn_fla"] = "triton-missing"
+    KERNEL_VERSIONS["dsa_topk_mask"] = "triton-missing"

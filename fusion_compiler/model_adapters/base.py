@@ -499,6 +499,15 @@ def mla_sites(model: torch.nn.Module) -> dict[str, int]:
     return mla
 
 
+def dsa_mask_sites(model: torch.nn.Module) -> dict[str, int]:
+    """DSA indexers (an MLA attention's ``indexer``) whose top-k the attention scatters into its
+    mask (HF's eager and SDPA paths; flash-mla reads the indices): one dsa_topk_mask site each."""
+    if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
+        return {}
+    return {f"{name}.indexer": 1 for name, module in model.named_modules()
+            if hasattr(module, "kv_a_layernorm") and hasattr(module, "indexer")}  # fmt: skip
+
+
 def _partial_rotary(config) -> bool:
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
@@ -521,6 +530,8 @@ def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str,
         if found:
             sites[family] = found
             sites["add_rms_norm"] = _without(sites["add_rms_norm"], {f"{name}.{norm}" for name in found})
+    if dsa_mask_sites(model):
+        sites["dsa_topk_mask"] = dsa_mask_sites(model)
     return sites
 
 

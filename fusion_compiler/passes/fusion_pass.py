@@ -9,12 +9,13 @@ import logging
 import torch
 
 from .. import _compat
-from ..config import FusionConfig
+from ..config import GRAPH_PASSES, FusionConfig
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family, source_text
 from ..patterns import registry as registry_module
 from . import canonicalize as canonicalize_module
 from . import decode_attention as decode_attention_module
+from . import dsa_topk_mask as dsa_topk_mask_module
 from . import horizontal as horizontal_module
 from . import merge_projections as merge_projections_module
 from . import rope_gather as rope_gather_module
@@ -48,7 +49,8 @@ class FusionPass(_compat.CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         graph_report = GraphReport(
             graph_index=len(self.report.graphs),
-            expected={family: dict(sites) for family, sites in self.config.expected.items()},
+            expected={family: dict(sites) for family, sites in self.config.expected.items()
+                      if family not in self.config.disabled_graph_passes()},
             modules_in_graph=modules_in(graph),
             pipeline=self.pipeline(),
         )
@@ -70,6 +72,8 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
                 graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
             )
+        if self.config.dsa_topk_mask:
+            graph_report.sites.extend(dsa_topk_mask_module.fuse_dsa_topk_masks(graph))
         if self.config.decode_attention:
             graph_report.sites.extend(decode_attention_module.fuse_decode_attention(graph))
         if self.config.merge_projections:
@@ -146,12 +150,14 @@ def pass_uuid(config: FusionConfig) -> str:
     # What decides the rewritten graph besides the families' own sources: the matching contract
     # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
     for module in (registry_module, canonicalize_module, horizontal_module, merge_projections_module, rope_gather_module,
-                   tp_variance_module, decode_attention_module):  # fmt: skip
+                   tp_variance_module, decode_attention_module, dsa_topk_mask_module):  # fmt: skip
         digest.update(inspect.getsource(module).encode())
-    if config.decode_attention:
-        from .. import kernels
+    from .. import kernels
 
-        digest.update(kernels.KERNEL_VERSIONS.get("decode_attention", "").encode())
+    # The graph passes outside the families (a family's kernel version is hashed below).
+    for name in GRAPH_PASSES:
+        if getattr(config, name):
+            digest.update(f"{name}:{kernels.KERNEL_VERSIONS.get(name, '')}".encode())
     for name in config.enabled_families():
         family = FAMILIES[name]
         digest.update(source_text(family).encode())

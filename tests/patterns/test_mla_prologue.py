@@ -120,6 +120,16 @@ def test_hf_every_layer_fuses_its_four_sites(hf_run):
     assert sorted(report.merges()) == [("layers.0", "kv", 3), ("layers.0", "q", 2), ("layers.1", "kv", 3), ("layers.1", "q", 2)]
 
 
+def test_hf_indexer_top_k_mask_fuses_once_per_layer(hf_run):
+    """passes/dsa_topk_mask.py on HF's indexer + the attention's scatter (context 16 > the tiny
+    index_topk 8, so the mask drops keys); the logits test below covers its numbers."""
+    report = hf_run["report"]
+    indexers = {"model.layers.0.self_attn.indexer": 1, "model.layers.1.self_attn.indexer": 1}
+    assert report.per_module("dsa_topk_mask") == indexers, report.format()
+    assert report.count("dsa_topk_mask", "bool_mask") == 2
+    assert report.misses("dsa_topk_mask") == []
+
+
 def test_hf_logits_match_eager(hf_run):
     assert relative_error(hf_run["fused"], hf_run["eager"]) < 2e-2
 
