@@ -23,11 +23,24 @@ Inputs. Ours: the reference step (``*/decode_layer.py`` ``make_step``): paged ca
 static cache each step, so the attention's bytes are those of the full context); each call
 writes one more slot, and every mode starts from the restored prefill. Every mode runs on the
 same input tensors (restored in place between modes, so graphs keep their addresses) and is
-compared with eager's output (and, on ours, the caches and states it wrote).
+compared with eager's output (and, on ours, the caches and states it wrote): ``vs_eager``.
+
+How far from eager is right. On ours, eager also runs once more with every element of the
+hidden input changed in its last bit (``last_bit_noise`` in the eager row): a compiled mode's
+roundings differ about that much, and the models turn such differences into percent-level
+output changes on their own: FP8 requantisation moves a code a whole step, a near-tied router
+swaps an expert, and DeepSeek's DSA indexer keeps 2048 of 4097 near-tied scores, where one
+swapped key moves the output by about 1% (random weights: the indexer does not track the
+attention, so a boundary key can carry much of a head's weight). A ``vs_eager`` out_rel_err of
+the order of ``last_bit_noise`` is agreement. Where the model selects (DeepSeek's indexers, a
+``pinned_topk`` attribute), inductor and fusion_compiler are compiled once more with every
+indexer pinned to eager's selection and compared again: ``vs_eager_pinned``, the check of the
+arithmetic itself (``--no-pinned`` skips it: two more compiles per stack and batch).
 
 Experts: identical in every mode, so the comparison isolates fusion. HF's routed experts are
 stubbed to zeros by default (``--hf-experts``: the issue's latency bar), leaving attention +
-router + norms + shared expert; ours run (``--ref-experts compute``) through an opaque op.
+router + norms + shared expert; ours run (``--ref-experts compute``) through an opaque op
+(``--ref-experts grouped``: the same math reading each chosen expert once, ``torch._grouped_mm``).
 
 Floors per layer: the layer's weight bytes read once (routed experts: the expected share of
 experts a batch of uniformly routed tokens touches) over the same run's copy bandwidth, and the
@@ -68,6 +81,7 @@ SMOKE_MODES = ("eager", "inductor", "fusion_compiler")
 GRAPH_MODES = ("eager_graph", "inductor_graph")  # captured here, by hand
 MODELS = {"deepseek-v3.2": "deepseek_v32", "minimax-m2.5": "minimax_m2", "qwen3.5": "qwen35"}
 HF_PREFILL = 16
+DEFAULT_CONTEXT = 4096  # every reference config's RoPE table (max_position) must cover it
 CALLS, REPEATS = 20, 10
 
 
@@ -169,6 +183,21 @@ class Step:
     def call(self, fn: Callable) -> torch.Tensor:
         with torch.no_grad():
             return base._logits_of(fn(**self.kwargs))
+
+    def last_bit_noise(self, fn: Callable, out: torch.Tensor) -> dict | None:
+        """``fn``'s output with every element of the hidden input changed in its last bit (xor 1
+        of its bits), against ``out``: eager's own spread, the yardstick of ``vs_eager``. Ours only
+        (HF's step starts from token ids); the inputs are restored before and after."""
+        hidden = self.kwargs.get("hidden") if self.hf is None else None
+        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.element_size() not in (2, 4):
+            return None
+        self.restore()
+        hidden.view({2: torch.int16, 4: torch.int32}[hidden.element_size()]).bitwise_xor_(1)
+        try:
+            noisy = self.call(fn)
+        finally:
+            self.restore()
+        return {"out_rel_err": relative_error(noisy.float(), out.float())}
 
     def state(self) -> list[torch.Tensor]:
         """The caches and states the step writes (ours; HF's cache is compared via the logits)."""
@@ -285,6 +314,9 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         report = compiled.backend.report
         row["matches"] = report.summary()
         row["missing_expected"] = report.to_dict().get("missing_expected", [])
+        # Why each miss missed, so a result with a miss explains itself.
+        row["misses"] = [{"family": m.family, "module": m.module, "reason": m.reason, "stopped_at": m.stopped_at}
+                         for m in report.misses()]  # fmt: skip
         graphs = [g.report() for g in compiled.backend.step_graphs]
         row["step_graphs"] = graphs
         # The graphs this batch replayed (an earlier batch's static-shape graph is not one).
@@ -294,6 +326,44 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         row["graph_kernel_nodes"] = sum(nodes) if nodes and None not in nodes else None
         row["step_graphs_replayed"] = len(used)
     return row, out, state
+
+
+PINNED_MODES = ("inductor", "fusion_compiler")
+
+
+def pinned_vs_eager(modes, model: torch.nn.Module, step: Step, eager_out, eager_state) -> dict[str, dict]:
+    """``vs_eager`` of stock Inductor and ours with every DSA indexer's top-k pinned to eager's
+    (``Indexer.pinned_topk``): each compiled afresh (the pinned graph is another graph; a fresh
+    backend keeps the timed one's report clean), one call from the restored inputs. Empty for a
+    model without indexers."""
+    indexers = [m for m in model.modules() if hasattr(m, "pinned_topk")]
+    if not indexers:
+        return {}
+    selections: dict = {}
+    hooks = [m.register_forward_hook(lambda mod, _args, out: selections.__setitem__(mod, out.clone())) for m in indexers]
+    try:
+        step.restore()
+        step.call(model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    results = {}
+    try:
+        for m in indexers:
+            m.pinned_topk = selections[m]
+        for mode in (m for m in PINNED_MODES if m in modes):
+            backend = fc.FusionBackend(fc.FusionConfig()) if mode == "fusion_compiler" else "inductor"
+            step.restore()
+            try:
+                out = step.call(torch.compile(model, backend=backend))
+                results[mode] = compare(out, step.state(), eager_out, eager_state)
+            except Exception as error:  # noqa: BLE001 - a check that fails is a result
+                results[mode] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+    finally:
+        for m in indexers:
+            m.pinned_topk = None
+        step.restore()
+    return results
 
 
 def compare(out, state, eager_out, eager_state) -> dict:
@@ -344,6 +414,9 @@ def run_case(source: str, model: str, kind: str, batches: list[int], args, bandw
                     row, out, state = measure(mode, compiled[mode], step, timing=not args.smoke)
                     if mode == "eager":
                         eager = (out, state)
+                        noise = step.last_bit_noise(compiled[mode].fn, out)
+                        if noise is not None:
+                            row["last_bit_noise"] = noise
                     elif eager is not None:
                         row["vs_eager"] = compare(out, state, *eager)
                 except Exception as error:  # noqa: BLE001 - a mode that fails is a result
@@ -354,8 +427,12 @@ def run_case(source: str, model: str, kind: str, batches: list[int], args, bandw
                 row["seconds"] = time.perf_counter() - started
                 results[mode] = row
                 if not args.smoke:  # raw per-stack numbers in the log: a run cut short mid-case keeps them
-                    raw = {key: row[key] for key in ("us", "kernels", "graph_kernel_nodes", "vs_eager", "seconds") if key in row}
+                    raw = {key: row[key] for key in ("us", "kernels", "graph_kernel_nodes", "vs_eager", "last_bit_noise", "seconds") if key in row}
                     print(f"  {source} {model} {kind} {len(kinds)}L batch {batch} {mode}: {raw}", flush=True)
+            if source == "reference" and eager is not None and not args.no_pinned:
+                for mode, result in pinned_vs_eager(modes, stack.model, step, *eager).items():
+                    results[mode]["vs_eager_pinned"] = result
+                    print(f"  {source} {model} {kind} {len(kinds)}L batch {batch} {mode}: vs_eager_pinned {result}", flush=True)
             per_stack[label][batch] = {"modes": results, "state_bytes": step.state_bytes(), "weight_bytes": stack.weight_bytes,
                                        "expert_bytes": stack.expert_bytes, "experts": stack.experts}  # fmt: skip
             del step
@@ -446,10 +523,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sources", nargs="*", default=["reference", "hf"], choices=["reference", "hf"])
     parser.add_argument("--kinds", nargs="*", default=None, help="layer kinds to measure (default: all of each model)")
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 64])
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--hf-experts", default="zeros", choices=moe.EXPERTS_MODES)
-    parser.add_argument("--ref-experts", default="compute", choices=moe.EXPERTS_MODES)
+    parser.add_argument("--hf-experts", default="zeros", choices=("compute", "zeros"), help="HF's own experts code, or zeros")
+    parser.add_argument("--ref-experts", default="compute", choices=moe.EXPERTS_MODES,
+                        help="grouped: each chosen expert read once (torch._grouped_mm), not gathered per token")
+    parser.add_argument("--no-pinned", action="store_true", help="skip vs_eager_pinned (DeepSeek's selection pinned)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny widths, context 32: correctness and reports only")
     args = parser.parse_args(argv)
     if args.smoke:

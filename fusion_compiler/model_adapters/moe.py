@@ -36,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-EXPERTS_MODES = ("compute", "zeros")
+# compute: every chosen expert's weights gathered per token ([T, k, 2I, H] copied, then read);
+# grouped: tokens sorted by expert and one grouped GEMM per projection, each chosen expert read
+# once (``torch._grouped_mm``); zeros: the experts stubbed out. Identical in every mode.
+EXPERTS_MODES = ("compute", "grouped", "zeros")
 
 # Random-init scales: norm weights (and Gemma offsets, biases) move 0.1 away from their init, so
 # a missing multiply shows; matrices are N(0, 1/fan_in), so activations keep their size.
@@ -164,18 +167,41 @@ def routed_experts(
     top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    grouped: bool = False,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]: hidden [T, H],
     ids / weights [T, k], gate_up_proj [E, 2I, H] (HF's layout: gate rows, then up rows),
-    down_proj [E, H, I]. GEMMs in the activation dtype; the weighted sum over k in fp32."""
+    down_proj [E, H, I]. GEMMs in the activation dtype; the weighted sum over k in fp32.
+    ``grouped``: each chosen expert's weights read once (``_grouped_experts``), not gathered per
+    token."""
     _check_routing(hidden, top_k_ids, top_k_weights)
+    if grouped:
+        return _grouped_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj)
     gate, up = torch.einsum("th,tkoh->tko", hidden, gate_up_proj[top_k_ids]).chunk(2, dim=-1)
     out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down_proj[top_k_ids])
     return torch.einsum("tkh,tk->th", out.float(), top_k_weights.float()).to(hidden.dtype)
 
 
+def _grouped_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """The (token, k) rows sorted by expert, then ``torch._grouped_mm`` per projection over the
+    weights' transposed views (HF's grouped-mm layout). Offsets come from a count on the device
+    (``index_add_``, not ``bincount``): no host sync, so a CUDA graph can capture it."""
+    tokens, top_k = top_k_ids.shape
+    flat = top_k_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = order // top_k  # the token of each sorted (token, k) row
+    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(hidden[rows], gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+    weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    total = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return total.index_add_(0, rows, weighted).to(hidden.dtype)
+
+
 @routed_experts.register_fake
-def _(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj):
+def _(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, grouped=False):
     _check_routing(hidden, top_k_ids, top_k_weights)
     return torch.empty_like(hidden)
 
@@ -202,14 +228,15 @@ def _(hidden, top_k_ids, top_k_weights):
 class RoutedExperts(nn.Module):
     """All experts' weights as 3-D tensors (HF's ``*Experts`` layout), run by ``routed_experts``."""
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, grouped: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size))
+        self.grouped = grouped
 
     def forward(self, hidden, top_k_ids, top_k_weights):
         return torch.ops.fusion_compiler_ref.routed_experts(hidden, top_k_ids, top_k_weights, self.gate_up_proj,
-                                                            self.down_proj)  # fmt: skip
+                                                            self.down_proj, self.grouped)  # fmt: skip
 
 
 class ZeroExperts(nn.Module):
@@ -248,7 +275,7 @@ class SparseMoeBlock(nn.Module):
         if experts not in EXPERTS_MODES:
             raise ValueError(f"experts must be one of {EXPERTS_MODES}, got {experts!r}")
         self.gate = router
-        self.experts = RoutedExperts(cfg) if experts == "compute" else ZeroExperts()
+        self.experts = ZeroExperts() if experts == "zeros" else RoutedExperts(cfg, grouped=experts == "grouped")
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_intermediate_size:

@@ -36,7 +36,7 @@ class AttentionConfig:
     rms_norm_eps: float = 1e-6
     block_size: int = 16
     kv_cache_dtype: str = "bf16"  # or "fp8"
-    max_position: int = 4096
+    max_position: int = 4096  # RoPE table rows: a step's positions must stay below (REAL: the checkpoint's)
 
     @property
     def q_width(self) -> int:
@@ -186,10 +186,17 @@ def _map_tensors(value, fn):
     return fn(value) if isinstance(value, torch.Tensor) else value
 
 
-def random_block_table(tokens: int, context: int, block_size: int, gen: torch.Generator) -> tuple[int, dict]:
+def random_block_table(tokens: int, context: int, block_size: int, gen: torch.Generator,
+                       max_position: int | None = None) -> tuple[int, dict]:  # fmt: skip
     """``tokens`` sequences of ``context`` cached tokens each, their blocks shuffled over a pool
     two blocks larger than they need, each decoding its next token at position ``context`` (its
-    slot is written this step). Returns (num_blocks, {positions, slots, block_table, seq_lens})."""
+    slot is written this step). Returns (num_blocks, {positions, slots, block_table, seq_lens}).
+
+    ``max_position``: the rows of the model's RoPE table; the new token's position ``context``
+    must be one of them (an index past the table is a device-side assert on the GPU)."""
+    if max_position is not None and not 0 <= context < max_position:
+        raise ValueError(f"context {context}: the new token's position must be below the RoPE table's "
+                         f"{max_position} rows (the config's max_position)")  # fmt: skip
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = tokens * blocks_per_seq + 2
     block_table = torch.randperm(num_blocks, generator=gen)[: tokens * blocks_per_seq].view(tokens, blocks_per_seq)
@@ -206,7 +213,7 @@ def random_kv_step(cfg: AttentionConfig, num_layers: int, tokens: int, context: 
     """The kwargs of a decode step through ``num_layers`` GQA layers (on CPU): random hidden and
     residual [tokens, hidden], the block table's tensors, and per layer a K and a V cache full of
     random values (so unwritten slots are recognisable)."""
-    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen)
+    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen, cfg.max_position)
     shape = (num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
     return {
         "hidden": torch.randn(tokens, cfg.hidden_size, generator=gen).to(dtype),

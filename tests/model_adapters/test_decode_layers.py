@@ -92,8 +92,9 @@ def _experts_loop(hidden, ids, weights, gate_up_proj, down_proj):
     return out
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])  # sigmoid routers' / softmax's
-def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype):
+def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype, grouped):
     gen = torch.Generator().manual_seed(0)
     tokens, hidden_size, experts, top_k, inter = 3, 64, 6, 2, 32
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
@@ -101,11 +102,11 @@ def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype):
     weights = torch.rand(tokens, top_k, generator=gen).to(weights_dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=gen) * hidden_size**-0.5).bfloat16()
     down = (torch.randn(experts, hidden_size, inter, generator=gen) * inter**-0.5).bfloat16()
-    out = torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights, gate_up, down)
+    out = torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights, gate_up, down, grouped)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, _experts_loop(hidden, ids, weights, gate_up, down)) < 1e-2
     with pytest.raises(ValueError, match="both \\[T, top_k\\]"):
-        torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights[:, :1], gate_up, down)
+        torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights[:, :1], gate_up, down, grouped)
 
 
 def test_zero_experts_return_zeros_and_hold_no_weights():

@@ -149,7 +149,19 @@ def yarn_cos_sin_cache(cfg: ReferenceConfig) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
+    """``t.view(torch.uint8)``: each element's bytes, little-endian, along the last dim.
+
+    One-byte dtypes (the FP8 codes) are a view. Wider ones (fp32 scales, bf16 k_pe) are taken
+    apart with shifts of a same-width integer view, which every Inductor lowers as pointwise
+    code: a float -> uint8 view is an eager fallback in Inductor (before torch 2.13 without a
+    contiguous copy), and on the GPU the indexer's unrealised [T, 1] scale reaches it with a
+    last-dim stride of 0, so stock Inductor 2.11 failed to compile the layer ("self.stride(-1)
+    must be 1 to view Float as Byte"). patterns/spellings.py ``as_bytes`` is the same code."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    parts = [(bits >> (8 * i)) & 0xFF for i in range(t.element_size())]
+    return torch.stack(parts, dim=-1).to(torch.uint8).flatten(-2)
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,7 +182,13 @@ class RMSNorm(nn.Module):
 
 
 class Indexer(nn.Module):
-    """DSA lightning indexer: picks the top-k context tokens each query attends to."""
+    """DSA lightning indexer: picks the top-k context tokens each query attends to.
+
+    ``pinned_topk`` (None in a real step): indices returned instead of the computed top-k (the
+    indexer cache is still written). bench/decode.py pins compiled modes to eager's selection to
+    compare them without the near-ties among 2048-of-4097 scores; None leaves the graph as is."""
+
+    pinned_topk: torch.Tensor | None = None
 
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
@@ -204,7 +222,8 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.einsum("thd,tld->thl", q_fp8.float(), k_ctx))
         logits = (scores * weights.unsqueeze(-1)).sum(1) * k_ctx_scale
         logits = logits.masked_fill(~context_valid, float("-inf"))
-        return logits.topk(min(cfg.index_topk, logits.shape[-1]), dim=-1).indices
+        topk = logits.topk(min(cfg.index_topk, logits.shape[-1]), dim=-1).indices
+        return topk if self.pinned_topk is None else self.pinned_topk
 
 
 class MLAAttention(nn.Module):
@@ -347,41 +366,49 @@ def build(cfg: ReferenceConfig, device="cpu", seed: int = 0) -> ReferenceModel:
 
 
 def make_step(cfg: ReferenceConfig, tokens: int = 2, context: int = 6, device="cpu", seed: int = 1) -> ReferenceStep:
-    """Caches full of random bytes (so unwritten slots are recognisable), a shuffled block table,
-    and the new token of each sequence at position ``context`` (its slot is written this step)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen)
-    row, dtype = cfg.latent_row()
+    """Random caches, a shuffled block table, and the new token of each sequence at position
+    ``context`` (its slot is written this step).
 
-    def random_cache(width: int, dtype: torch.dtype) -> torch.Tensor:
-        if dtype == torch.uint8:
-            cache = _finite_random_bytes(num_blocks * cfg.block_size, width, cfg, gen)
-        else:
-            cache = torch.randn(num_blocks * cfg.block_size, width, generator=gen).to(dtype)
-        return cache.view(num_blocks, cfg.block_size, width)
+    Every cache row holds what a layer writes for a random token (``_written_rows``): FP8 rows
+    quantised from N(0, 1) values, as the kv_a RMSNorm and the indexer's LayerNorm leave them,
+    with their own scales, and N(0, 1) k_pe. Random bytes instead decode to values up to 448 x
+    their scale: attention logits with a spread of ~150, a one-hot softmax whose winner a
+    last-bit difference of q flips, so compiled and eager steps differed by tens of percent."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, table = random_block_table(tokens, context, cfg.block_size, gen, cfg.max_position)
+    rows = num_blocks * cfg.block_size
+
+    def cache(kind: str) -> torch.Tensor:
+        return _written_rows(rows, kind, cfg, gen).view(num_blocks, cfg.block_size, -1)
 
     kwargs = {
         "hidden": torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch.bfloat16),
         "residual": torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch.bfloat16),
         **table,
-        "latent_caches": [random_cache(row, dtype) for _ in range(cfg.num_layers)],
-        "index_caches": [random_cache(cfg.index_head_dim + 4, torch.uint8) for _ in range(cfg.num_layers)],
+        "latent_caches": [cache("latent") for _ in range(cfg.num_layers)],
+        "index_caches": [cache("index") for _ in range(cfg.num_layers)],
     }
     return ReferenceStep(kwargs).to(device)
 
 
-def _finite_random_bytes(rows: int, width: int, cfg: ReferenceConfig, gen) -> torch.Tensor:
-    """Random cache rows that decode to finite values: FP8 bytes without NaN codes, then
-    positive fp32 scales and (latent rows) bf16 k_pe, each where the layouts put them."""
-    out = torch.randint(0, 256, (rows, width), generator=gen, dtype=torch.uint8)
-    out[(out & 0x7F) == 0x7F] = 0x01  # e4m3fn NaN codes -> a small value
-    fp8_width = cfg.index_head_dim if width == cfg.index_head_dim + 4 else cfg.kv_lora_rank
-    scales = fp8_width // 128 if fp8_width == cfg.kv_lora_rank else 1
-    tails = [(torch.float32, scales), (torch.bfloat16, (width - fp8_width - 4 * scales) // 2)]
-    start = fp8_width
-    for dtype, count in tails:
-        if count:
-            values = (torch.rand(rows, count, generator=gen) + 0.5).to(dtype)
-            out[:, start : start + count * values.element_size()] = values.view(torch.uint8)
-            start += count * values.element_size()
+def _written_rows(rows: int, kind: str, cfg: ReferenceConfig, gen: torch.Generator, chunk: int = 1 << 15) -> torch.Tensor:
+    """``rows`` cache rows as the layer writes them for random tokens: ``kind`` "latent" (bf16
+    ``[kv | k_pe]`` or ``fp8_ds_mla`` bytes) or "index" (128 FP8 bytes + an fp32 scale), from
+    N(0, 1) kv / k_pe / index-k values, quantised by ``act_quant`` in chunks of rows."""
+    width, dtype = cfg.latent_row() if kind == "latent" else (cfg.index_head_dim + 4, torch.uint8)
+    out = torch.empty(rows, width, dtype=dtype)
+    for start in range(0, rows, chunk):
+        n = min(chunk, rows - start)
+        if kind == "index":
+            k_fp8, k_scale = act_quant(torch.randn(n, cfg.index_head_dim, generator=gen).to(torch.bfloat16),
+                                       cfg.index_head_dim, cfg.scale_ue8m0)  # fmt: skip
+            out[start : start + n] = torch.cat([as_bytes(k_fp8), as_bytes(k_scale)], dim=-1)
+            continue
+        kv = torch.randn(n, cfg.kv_lora_rank, generator=gen).to(torch.bfloat16)
+        k_pe = torch.randn(n, cfg.qk_rope_head_dim, generator=gen).to(torch.bfloat16)
+        if dtype == torch.uint8:
+            kv_fp8, kv_scale = act_quant(kv, 128, cfg.scale_ue8m0)
+            out[start : start + n] = torch.cat([as_bytes(kv_fp8), as_bytes(kv_scale), as_bytes(k_pe)], dim=-1)
+        else:
+            out[start : start + n] = torch.cat([kv, k_pe], dim=-1)
     return out

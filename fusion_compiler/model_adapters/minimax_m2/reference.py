@@ -57,7 +57,10 @@ class ReferenceConfig(paged_kv.AttentionConfig):
     num_layers: int = 2
 
 
-REAL = ReferenceConfig(hidden_size=3072, num_heads=48, num_kv_heads=8, head_dim=128, rotary_dim=64)
+# max_position: the checkpoint's max_position_embeddings, as vLLM sizes its cos/sin table (the
+# default 4096 rows ended below a 4096-token context's new position: an out-of-bounds gather).
+REAL = ReferenceConfig(hidden_size=3072, num_heads=48, num_kv_heads=8, head_dim=128, rotary_dim=64,
+                       max_position=196608)  # fmt: skip
 TINY = ReferenceConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32)
 
 

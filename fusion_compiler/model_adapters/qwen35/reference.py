@@ -42,7 +42,9 @@ class ReferenceConfig(paged_kv.AttentionConfig):
     rope_theta: float = 1e7
 
 
-REAL = ReferenceConfig(hidden_size=4096, num_heads=32, num_kv_heads=2, head_dim=256, rotary_dim=64)
+# max_position: the checkpoint's max_position_embeddings, as vLLM sizes its cos/sin table.
+REAL = ReferenceConfig(hidden_size=4096, num_heads=32, num_kv_heads=2, head_dim=256, rotary_dim=64,
+                       max_position=262144)  # fmt: skip
 # The adapter's tiny config: partial_rotary_factor 0.25 of head_dim 64.
 TINY = ReferenceConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16)
 
