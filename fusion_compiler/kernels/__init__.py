@@ -1,35 +1,31 @@
 """Triton kernels, one file per family. Nothing here imports graph code."""
 
+import importlib
+
 KERNEL_VERSIONS: dict[str, str] = {}
+
+# A family (or lowering, or graph pass) -> the kernel modules whose KERNEL_VERSIONs it runs.
+_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
+    "add_rms_norm": ("rms_norm",),
+    "gated_rms_norm": ("rms_norm",),  # the same kernel, gated
+    "mla_prologue": ("mla_kv_prologue", "mla_q_prologue"),
+    "moe_routing": ("moe_route",),
+    "gqa_prologue": ("gqa_prologue",),
+    "gdn_decode": ("gdn_decode",),
+    "gdn": ("gdn_decode",),  # the family's name (patterns/gdn.py)
+    "gdn_fla": ("gdn_fla",),  # the family's lowering "fla"
+    "decode_attention": ("decode_attention",),
+    "dsa_topk_mask": ("dsa_topk_mask",),
+}
 
 
 def _register_versions() -> None:
-    from . import decode_attention, dsa_topk_mask, gdn_decode, gdn_fla, gqa_prologue, mla_kv_prologue, mla_q_prologue, moe_route, rms_norm
-
-    KERNEL_VERSIONS["add_rms_norm"] = rms_norm.KERNEL_VERSION
-    KERNEL_VERSIONS["gated_rms_norm"] = rms_norm.KERNEL_VERSION  # the same kernel, gated
-    KERNEL_VERSIONS["mla_prologue"] = (
-        f"{mla_kv_prologue.KERNEL_VERSION}+{mla_q_prologue.KERNEL_VERSION}"
-    )
-    KERNEL_VERSIONS["moe_routing"] = moe_route.KERNEL_VERSION
-    KERNEL_VERSIONS["gqa_prologue"] = gqa_prologue.KERNEL_VERSION
-    KERNEL_VERSIONS["gdn_decode"] = gdn_decode.KERNEL_VERSION
-    KERNEL_VERSIONS["gdn"] = gdn_decode.KERNEL_VERSION  # the family's name (patterns/gdn.py)
-    KERNEL_VERSIONS["gdn_fla"] = gdn_fla.KERNEL_VERSION  # the family's lowering "fla"
-    KERNEL_VERSIONS["decode_attention"] = decode_attention.KERNEL_VERSION
-    KERNEL_VERSIONS["dsa_topk_mask"] = dsa_topk_mask.KERNEL_VERSION
+    for name, modules in _KERNEL_MODULES.items():
+        KERNEL_VERSIONS[name] = "+".join(importlib.import_module(f".{m}", __name__).KERNEL_VERSION for m in modules)
 
 
 try:
     _register_versions()
 except ImportError:
     # No triton (non-Linux): CPU ops still run their references; a CUDA launch raises.
-    KERNEL_VERSIONS["add_rms_norm"] = "triton-missing"
-    KERNEL_VERSIONS["gated_rms_norm"] = "triton-missing"
-    KERNEL_VERSIONS["mla_prologue"] = "triton-missing"
-    KERNEL_VERSIONS["moe_routing"] = "triton-missing"
-    KERNEL_VERSIONS["gqa_prologue"] = "triton-missing"
-    KERNEL_VERSIONS["gdn_decode"] = "triton-missing"
-    KERNEL_VERSIONS["gdn"] = "triton-missing"
-    KERNEL_VERSIONS["gdn_fla"] = "triton-missing"
-    KERNEL_VERSIONS["dsa_topk_mask"] = "triton-missing"
+    KERNEL_VERSIONS.update(dict.fromkeys(_KERNEL_MODULES, "triton-missing"))

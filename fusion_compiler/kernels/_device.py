@@ -78,6 +78,19 @@ def round_trip(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def mma(a, b):
+    """a @ b with fp32 accumulation: native half-precision MMA on the GPU, IEEE fp32 (never tf32)
+    for fp32 or mixed-dtype operands, and under the interpreter with operands upcast (numpy's
+    half-precision matmul would accumulate in half)."""
+    if INTERPRETER:
+        return tl.dot(upcast(a), upcast(b), input_precision="ieee")
+    elif a.dtype == tl.float32 or a.dtype != b.dtype:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def mean_from_sum(total, N: tl.constexpr):
     """``total / N`` rounded correctly, like torch's ``mean`` (plain ``/`` is approximate on
     the GPU, ``div.full.f32``)."""

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, downcast, launch_on_device, round_trip, upcast
+from ._device import INTERPRETER, downcast, launch_on_device, mma, round_trip, upcast
 
 KERNEL_VERSION = "decode_attention-1"
 
@@ -83,18 +83,6 @@ def num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> tuple[i
 
 
 @triton.jit
-def _mma(a, b):
-    """a @ b with fp32 accumulation: native half-precision MMA on the GPU, IEEE fp32 for fp32
-    operands and under the interpreter (operands upcast)."""
-    if INTERPRETER:
-        return tl.dot(upcast(a), upcast(b), input_precision="ieee")
-    elif a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
 def _p_operand(p, DTYPE: tl.constexpr):
     """The softmax weights as the P @ V operand: rounded to V's dtype (kept fp32 under the
     interpreter, which then multiplies in fp32)."""
@@ -116,7 +104,7 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
     dv = tl.arange(0, DV_PAD)
     kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
                  mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
-    x = _mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+    x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
     valid = in_s
     if MASK_KIND == 1:
         keep = tl.load(m_base + s * stride_ms, mask=in_s, other=0)
@@ -132,7 +120,7 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
     l_i = l_i * alpha + tl.sum(p, axis=1)
     vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
                  mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + _mma(_p_operand(p, vt.dtype), vt)
+    acc = acc * alpha[:, None] + mma(_p_operand(p, vt.dtype), vt)
     return m_new, l_i, acc
 
 

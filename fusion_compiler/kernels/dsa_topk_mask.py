@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launch_on_device, upcast
+from ._device import INTERPRETER, launch_on_device, mma, upcast
 
 # Bump whenever the kernels or their launch configuration change (hashed into cache keys).
 KERNEL_VERSION = "dsa_topk_mask-1"
@@ -87,18 +87,6 @@ _FP32_SCORE_WARPS = 8
 _SELECT_WARPS = 8
 
 MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
-
-
-@triton.jit
-def _mma(a, b):
-    """a @ b with fp32 accumulation: native half-precision MMA on the GPU, IEEE fp32 for fp32
-    (or mixed) operands and under the interpreter (operands upcast)."""
-    if INTERPRETER:
-        return tl.dot(upcast(a), upcast(b), input_precision="ieee")
-    elif a.dtype == tl.float32 or a.dtype != b.dtype:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -129,7 +117,7 @@ def _score_kernel(
     w = upcast(tl.load(W + b * stride_wb + s * stride_ws + h * stride_wh, mask=h_ok, other=0.0)) * weight_scale
     kt = tl.load(K + b * stride_kb + t64[None, :] * stride_kt + d[:, None] * stride_kd,
                  mask=d_ok[:, None] & in_t[None, :], other=0.0)  # fmt: skip
-    x = tl.maximum(_mma(q, kt) * scale, 0.0)  # [H_PAD, BLOCK_T]
+    x = tl.maximum(mma(q, kt) * scale, 0.0)  # [H_PAD, BLOCK_T]
     score = tl.sum(w[:, None] * x, axis=0)  # [BLOCK_T]
     m_ptr = MASK + b * stride_mb + s * stride_ms + t64 * stride_mt
     if MASK_KIND == 1:
@@ -179,6 +167,20 @@ def _allowed(m_row, t, valid, stride_mt, MASK_BOOL: tl.constexpr):
 
 
 @triton.jit
+def _store_kept(keys, t, valid, prefix, need, seen, m_row, o_row, stride_mt, stride_ot, MASK_BOOL: tl.constexpr):
+    """keep for one chunk of a row: keys above the threshold ``prefix``, and keys equal to it
+    while fewer than ``need`` came before them (``seen`` in earlier chunks); (& allowed).
+    Returns the chunk's count of keys equal to the threshold."""
+    eq = (valid & (keys == prefix)).to(tl.int32)
+    rank = seen + tl.cumsum(eq, axis=0) - eq
+    sel = valid & ((keys > prefix) | ((eq != 0) & (rank < need)))
+    t64 = t.to(tl.int64)
+    keep = sel & _allowed(m_row, t64, valid, stride_mt, MASK_BOOL)
+    tl.store(o_row + t64 * stride_ot, keep.to(tl.uint8), mask=valid)
+    return tl.sum(eq, axis=0)
+
+
+@triton.jit
 def _select_kernel(
     WS, MASK, KEEP,
     S, T, k_sel, num_chunks,
@@ -223,12 +225,7 @@ def _select_row(ws_row, m_row, o_row, T, k_sel, n_chunks, stride_mt, stride_ot,
             counts = _digit_counts(keys, prefix, 32 - RADIX_BITS * (p + 1), RADIX_BITS)
             prefix, above = _pick_digit(counts, prefix, above, k_sel, 32 - RADIX_BITS * (p + 1), RADIX_BITS)
         need = k_sel - above  # how many keys equal to the threshold to keep, lowest t first
-        eq = (valid & (keys == prefix)).to(tl.int32)
-        rank = tl.cumsum(eq, axis=0) - eq
-        sel = valid & ((keys > prefix) | ((eq != 0) & (rank < need)))
-        t64 = offs.to(tl.int64)
-        keep = sel & _allowed(m_row, t64, valid, stride_mt, MASK_BOOL)
-        tl.store(o_row + t64 * stride_ot, keep.to(tl.uint8), mask=valid)
+        _store_kept(keys, offs, valid, prefix, need, 0, m_row, o_row, stride_mt, stride_ot, MASK_BOOL)
     else:
         prefix = tl.full([], 0, tl.uint32)
         above = tl.full([], 0, tl.int32)
@@ -243,14 +240,8 @@ def _select_row(ws_row, m_row, o_row, T, k_sel, n_chunks, stride_mt, stride_ot,
         for c in range(0, n_chunks):
             t = c * BLOCK + offs
             valid = t < T
-            keys = _keys(ws_row, t, valid)
-            eq = (valid & (keys == prefix)).to(tl.int32)
-            rank = seen + tl.cumsum(eq, axis=0) - eq
-            seen += tl.sum(eq, axis=0)
-            sel = valid & ((keys > prefix) | ((eq != 0) & (rank < need)))
-            t64 = t.to(tl.int64)
-            keep = sel & _allowed(m_row, t64, valid, stride_mt, MASK_BOOL)
-            tl.store(o_row + t64 * stride_ot, keep.to(tl.uint8), mask=valid)
+            seen += _store_kept(_keys(ws_row, t, valid), t, valid, prefix, need, seen, m_row, o_row, stride_mt,
+                                stride_ot, MASK_BOOL)  # fmt: skip
 
 
 def score_config(rows: int, keys: int, half: bool) -> tuple[int, int]:

@@ -530,8 +530,9 @@ def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str,
         if found:
             sites[family] = found
             sites["add_rms_norm"] = _without(sites["add_rms_norm"], {f"{name}.{norm}" for name in found})
-    if dsa_mask_sites(model):
-        sites["dsa_topk_mask"] = dsa_mask_sites(model)
+    dsa = dsa_mask_sites(model)
+    if dsa:
+        sites["dsa_topk_mask"] = dsa
     return sites
 
 

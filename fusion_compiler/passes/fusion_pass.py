@@ -31,6 +31,14 @@ from .report import GraphReport, MatchReport, Site, modules_in
 log = logging.getLogger("fusion_compiler")
 
 
+# config.GRAPH_PASSES by name: each rewrites the graph and returns its sites, matched or missed.
+GRAPH_PASS_RUNS = {
+    "dsa_topk_mask": dsa_topk_mask_module.fuse_dsa_topk_masks,
+    "decode_attention": decode_attention_module.fuse_decode_attention,
+}
+assert tuple(GRAPH_PASS_RUNS) == GRAPH_PASSES, "one run per config.GRAPH_PASSES entry, in its order"
+
+
 class MissedSiteError(RuntimeError):
     """strict=True and an expected site did not fuse."""
 
@@ -72,10 +80,9 @@ class FusionPass(_compat.CustomGraphPass):
             graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
                 graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
             )
-        if self.config.dsa_topk_mask:
-            graph_report.sites.extend(dsa_topk_mask_module.fuse_dsa_topk_masks(graph))
-        if self.config.decode_attention:
-            graph_report.sites.extend(decode_attention_module.fuse_decode_attention(graph))
+        for name in GRAPH_PASSES:
+            if getattr(self.config, name):
+                graph_report.sites.extend(GRAPH_PASS_RUNS[name](graph))
         if self.config.merge_projections:
             graph_report.merged_projections = merge_projections(graph)
         # Replacements can land before the nodes they read; sort before anything lints.
@@ -149,8 +156,9 @@ def pass_uuid(config: FusionConfig) -> str:
     digest.update(config.cache_key().encode())
     # What decides the rewritten graph besides the families' own sources: the matching contract
     # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
+    graph_pass_modules = [inspect.getmodule(run) for run in GRAPH_PASS_RUNS.values()]
     for module in (registry_module, canonicalize_module, horizontal_module, merge_projections_module, rope_gather_module,
-                   tp_variance_module, decode_attention_module, dsa_topk_mask_module):  # fmt: skip
+                   tp_variance_module, *graph_pass_modules):  # fmt: skip
         digest.update(inspect.getsource(module).encode())
     from .. import kernels
 

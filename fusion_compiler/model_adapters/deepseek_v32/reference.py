@@ -164,6 +164,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts, dim=-1).to(torch.uint8).flatten(-2)
 
 
+def index_cache_rows(k: torch.Tensor, cfg: ReferenceConfig) -> torch.Tensor:
+    """Indexer cache rows of keys ``k`` [T, index_head_dim]: FP8 codes, then the fp32 scale."""
+    k_fp8, k_scale = act_quant(k, cfg.index_head_dim, cfg.scale_ue8m0)
+    return torch.cat([as_bytes(k_fp8), as_bytes(k_scale)], dim=-1)
+
+
+def latent_cache_rows(kv: torch.Tensor, k_pe: torch.Tensor, cfg: ReferenceConfig, fp8: bool) -> torch.Tensor:
+    """Latent cache rows: bf16 ``[kv | k_pe]``, or (``fp8``) kv's FP8 codes, its fp32 scales (one
+    per 128) and k_pe's bf16 bytes."""
+    if not fp8:
+        return torch.cat([kv, k_pe], dim=-1)
+    kv_fp8, kv_scale = act_quant(kv, 128, cfg.scale_ue8m0)
+    return torch.cat([as_bytes(kv_fp8), as_bytes(kv_scale), as_bytes(k_pe)], dim=-1)
+
+
 # ------------------------------------------------------------------------------------------
 # Modules
 # ------------------------------------------------------------------------------------------
@@ -211,8 +226,7 @@ class Indexer(nn.Module):
         k = self.k_norm(x @ self.wk.t())
         k_pe, k_nope = torch.split(k, [rot, dim - rot], dim=-1)
         k = torch.cat([rope_neox(k_pe, cos, sin), k_nope], dim=-1)
-        k_fp8, k_scale = act_quant(k, dim, cfg.scale_ue8m0)
-        rows = torch.cat([as_bytes(k_fp8), as_bytes(k_scale)], dim=-1)
+        rows = index_cache_rows(k, cfg)
         index_cache.view(-1, index_cache.shape[-1]).index_put_((slots,), rows)
 
         # Scoring reads the cache back (the new token included), as DeepGEMM's logits kernel does.
@@ -253,11 +267,7 @@ class MLAAttention(nn.Module):
 
         kv = self.kv_a_layernorm(kv_c)
         k_pe = rope_gptj(k_pe, cos, sin)
-        if latent_cache.dtype == torch.uint8:
-            kv_fp8, kv_scale = act_quant(kv, 128, cfg.scale_ue8m0)
-            rows = torch.cat([as_bytes(kv_fp8), as_bytes(kv_scale), as_bytes(k_pe)], dim=-1)
-        else:
-            rows = torch.cat([kv, k_pe], dim=-1)
+        rows = latent_cache_rows(kv, k_pe, cfg, fp8=latent_cache.dtype == torch.uint8)
         latent_cache.view(-1, latent_cache.shape[-1]).index_put_((slots,), rows)
 
         q = fp8_linear(qr_fp8, qr_scale, self.q_b_proj).view(tokens, heads, cfg.qk_head_dim)
@@ -400,15 +410,10 @@ def _written_rows(rows: int, kind: str, cfg: ReferenceConfig, gen: torch.Generat
     for start in range(0, rows, chunk):
         n = min(chunk, rows - start)
         if kind == "index":
-            k_fp8, k_scale = act_quant(torch.randn(n, cfg.index_head_dim, generator=gen).to(torch.bfloat16),
-                                       cfg.index_head_dim, cfg.scale_ue8m0)  # fmt: skip
-            out[start : start + n] = torch.cat([as_bytes(k_fp8), as_bytes(k_scale)], dim=-1)
+            k = torch.randn(n, cfg.index_head_dim, generator=gen).to(torch.bfloat16)
+            out[start : start + n] = index_cache_rows(k, cfg)
             continue
         kv = torch.randn(n, cfg.kv_lora_rank, generator=gen).to(torch.bfloat16)
         k_pe = torch.randn(n, cfg.qk_rope_head_dim, generator=gen).to(torch.bfloat16)
-        if dtype == torch.uint8:
-            kv_fp8, kv_scale = act_quant(kv, 128, cfg.scale_ue8m0)
-            out[start : start + n] = torch.cat([as_bytes(kv_fp8), as_bytes(kv_scale), as_bytes(k_pe)], dim=-1)
-        else:
-            out[start : start + n] = torch.cat([kv, k_pe], dim=-1)
+        out[start : start + n] = latent_cache_rows(kv, k_pe, cfg, fp8=dtype == torch.uint8)
     return out
