@@ -3,9 +3,17 @@
 # the router at real widths (correctness, one launch vs two per token count -> the split, launch
 # shape, cuBLAS, routing warps), the routing bench, and inspect on HF DeepSeek V3.2 at real
 # widths. Results in $OUT/moe_results.tgz (the device returns at most 8 files). About 5 min.
+# `bash bench/moe_gpu_run.sh ab`: only the routing-tail A/B (every variant checked, then timed
+# at 1 / 2 / 16 tokens, with the router-weight copy floor), about 2 min.
 OUT=${OUT:-/tmp/out}
 R=$OUT/moe_results
 source bench/device_setup.sh "$R"
+if [ "${1:-}" = ab ]; then
+  timeout 240 python3 bench/moe_router_check.py --parts ab --out "$R/moe_router_ab_h200.json" > "$R/moe_router_ab.log" 2>&1; echo "rc $?"
+  grep -v "^ *$" "$R/moe_router_ab.log" | cut -c1-300 | tail -n 80
+  tar -czf "$OUT/moe_results.tgz" -C "$OUT" moe_results && rm -rf "$R"
+  exit 0
+fi
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route.py 2>&1 | tail -n 15 | tee "$R/moe_kernel_tests_cuda.log"
 timeout 150 python3 bench/moe_router_check.py --out "$R/moe_router_check_h200.json" > "$R/moe_router_check.log" 2>&1; grep -v "^ *$" "$R/moe_router_check.log" | cut -c1-300 | tail -n 60
 timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 30

@@ -15,8 +15,13 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
   cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
           (W @ h^T)^T (cuBLAS picks split-K, two kernels, for these skinny shapes);
   warps   the routing kernel's num_warps at 64 tokens;
-  ab      the one launch at 1 and 2 tokens: picked scores by tl.gather or reloaded from L2, and
-          a GEMV or a 16-row tl.dot at one token (not in the default parts).
+  ab      the one launch's routing-tail alternatives (``AB_VARIANTS``: kernels/moe_route.py's
+          _SELECT / _TAIL_LOADS knobs and a launch shape) at 1, 2 and 16 tokens, Qwen3.5 with its
+          shared-expert gate column: each variant's ids and weights checked against the routing of
+          its own logits (and its gate against sigmoid of them) before it is timed; plus the
+          L2-resident router-weight copy floor in the same run (not in the default parts):
+
+    python bench/moe_router_check.py --parts ab --out bench/results/moe_router_ab_h200.json
 
     python bench/moe_router_check.py --out bench/results/moe_router_check_h200.json
 """
@@ -24,6 +29,7 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -43,6 +49,19 @@ MODELS = {
 }
 SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 SHAPES = ((128, 8), (256, 16), (64, 4), (128, 4))  # (_TARGET_PROGRAMS, _MAX_SPLIT)
+AB_TOKENS = (1, 2, 16)
+# name: kernels/moe_route.py module knobs set for the variant (the rest by shape, routing_tail).
+# Session 11 also timed a merge-network selection (one tl.reduce merging sorted key lists): slower
+# than the rounds for all three (8.15 / 5.71 / 11.01 us at 1 token), removed.
+AB_VARIANTS = {
+    "by_shape": {},
+    "rounds_reload": {"_SELECT": 0, "_TAIL_LOADS": 0},  # moe_route-12
+    "topk_reload": {"_SELECT": 1, "_TAIL_LOADS": 0},
+    "rounds_regs": {"_SELECT": 0, "_TAIL_LOADS": 1},
+    "topk_regs": {"_SELECT": 1, "_TAIL_LOADS": 1},
+    "by_shape_256prog": {"_TARGET_PROGRAMS": 256, "_MAX_SPLIT": 16},
+}
+AB_GATE = {"qwen3.5"}  # routers timed with the shared-expert gate column, as the model runs them
 
 
 def make_args(name: str, tokens: int, seed: int = 0):
@@ -54,14 +73,41 @@ def make_args(name: str, tokens: int, seed: int = 0):
     return (x, w, bias, *routing, logits_dtype)
 
 
-def _fused(args):
+def _fused(args, gate_weight=None):
     named = dict(zip(ops._ROUTER_ARG_NAMES, args))
     x, w = named["hidden"], named["router_weight"]
     logits = torch.empty(x.shape[0], w.shape[0], dtype=named["logits_dtype"], device="cuda")
     weights = torch.empty(x.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
     ids = torch.empty(x.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
-    K.moe_router_fwd(named, x, w, logits, weights, ids)
-    return weights, ids, logits
+    gate = None if gate_weight is None else torch.empty(x.shape[0], 1, dtype=x.dtype, device="cuda")
+    K.moe_router_fwd(named, x, w, logits, weights, ids, gate_weight=gate_weight, gate=gate)
+    return weights, ids, logits, gate
+
+
+@contextlib.contextmanager
+def knobs(settings: dict):
+    """kernels/moe_route.py's module knobs set to ``settings`` (read at launch), then restored."""
+    saved = {k: getattr(K, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            setattr(K, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(K, k, v)
+
+
+def ab_check(args, gate_weight, out) -> dict:
+    """One variant's outputs against the routing of its own logits (ulp-level exp/sigmoid
+    differences aside, ids must be equal) and its gate against sigmoid of F.linear's."""
+    weights, ids, logits, gate = out
+    own_w, own_ids = ops.moe_route_reference(logits, *args[2:-1])  # bias .. weights_dtype
+    entry = {"tokens_ids_equal": int((ids == own_ids).all(-1).sum()), "tokens": ids.shape[0],
+             "weights_max_rel_err": ((weights.float() - own_w.float()).abs() / own_w.float().abs()).max().item()}
+    if gate is not None:
+        ref_gate = torch.sigmoid(torch.nn.functional.linear(args[0], gate_weight).float())
+        entry["gate_max_abs_err"] = (gate.float() - ref_gate).abs().max().item()
+    return entry
 
 
 def _cublas_logits(hidden, router_weight, logits_dtype):
@@ -156,17 +202,21 @@ def main():
                 print(name, shapes[-1], flush=True)
         row["shapes"] = shapes
         ab = []
-        for t in (1, 2) if "ab" in parts else ():
+        for t in AB_TOKENS if "ab" in parts else ():
             a = make_args(name, t)
-            for gather_regs in (True, False):
-                for gemv in (True, False):
-                    K._GATHER_IN_REGISTERS, K._GEMV_AT_ONE_TOKEN = gather_regs, gemv
-                    try:
-                        us = common.graph_time_us(lambda i: _fused(a), 1)
-                    finally:
-                        K._GATHER_IN_REGISTERS, K._GEMV_AT_ONE_TOKEN = True, True
-                    ab.append({"tokens": t, "gather_in_registers": gather_regs, "gemv_at_one_token": gemv, "us": us})
-                    print(name, ab[-1], flush=True)
+            gen = torch.Generator(device="cuda").manual_seed(t + 1)
+            gate_w = (torch.randn(1, a[0].shape[1], device="cuda", generator=gen) * a[0].shape[1] ** -0.5).bfloat16() \
+                if name in AB_GATE else None
+            for label, settings in AB_VARIANTS.items():
+                entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
+                try:
+                    with knobs(settings):
+                        entry.update(ab_check(a, gate_w, _fused(a, gate_w)))
+                        entry["us"] = common.graph_time_us(lambda i: _fused(a, gate_w), 1)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    entry["error"] = f"{type(e).__name__}: {e}"[:300]
+                ab.append(entry)
+                print(name, entry, flush=True)
         row["ab"] = ab
         cublas = []
         for t in (32, 64, 128, 256) if "cublas" in parts else ():
@@ -182,9 +232,10 @@ def main():
         row["cublas"] = cublas
         warps = []
         saved_config = K.launch_config
-        a = make_args(name, 64)
-        logits = _cublas(a)[2]
-        named = dict(zip(ops._ROUTER_ARG_NAMES, a))
+        if "warps" in parts:
+            a = make_args(name, 64)
+            logits = _cublas(a)[2]
+            named = dict(zip(ops._ROUTER_ARG_NAMES, a))
         for nw in (1, 2, 4, 8) if "warps" in parts else ():
             K.launch_config = lambda *c, _nw=nw: (*saved_config(*c)[:3], _nw)
             wts = torch.empty(64, named["top_k"], dtype=named["weights_dtype"], device="cuda")

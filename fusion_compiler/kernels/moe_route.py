@@ -24,7 +24,9 @@ than ``topk_group`` valid groups beat it (higher score, or equal score and lower
 [G_PAD, G_PAD] comparison.  Experts are picked in ``top_k`` unrolled rounds of one reduction
 each; their unbiased scores are then recomputed from the logits gathered at the picked ids,
 with the same formula (so bit-identical to the in-register scores), instead of one more
-reduction per round.
+reduction per round.  Or, by the row's shape (``routing_tail``, measured): all top_k picks by
+tl.topk's bitonic network, and without a bias the picked scores read off their keys in the
+registers (a bias makes the key's score the biased one, so there they are reloaded).
 
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
 GEMM (``_router_gemm_kernel``: tl.dot tiles, the hidden dim split so ~128 programs stream the
@@ -62,13 +64,37 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-12"
+KERNEL_VERSION = "moe_route-13"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GROUP_TOP = 2  # DeepSeek V3 scores a group by the sum of its 2 best experts
 
 _NO_KEY = tl.constexpr(-(2**63))  # below every score's key: padding, picked experts
+
+# The routing tail after the GEMM is latency at one token: TOP_K dependent block-wide reductions
+# (a bar.sync each), then an L2 round trip for the picked logits, then (Qwen) another for the
+# gate's partials.  SELECT 0: TOP_K rounds of one max-reduction; 1: tl.topk (``_top_keys``).
+# TAIL_LOADS 0: the picked scores recomputed from reloaded logits, the gate's partials summed
+# after the routing; 1: the picked scores from the registers (the keys themselves without a bias,
+# else one masked sum) and the gate's partials loaded with the experts'.  ``routing_tail`` picks
+# both by shape; the bench's A/B (bench/moe_router_check.py --parts ab) overrides it here (None:
+# by shape).
+_SELECT: int | None = None
+_TAIL_LOADS: int | None = None
+TOPK_SELECT_MAX_EXPERTS = 256
+
+
+def routing_tail(padded_experts: int, has_bias: bool) -> tuple[int, int]:
+    """(SELECT, TAIL_LOADS) for a row of ``padded_experts`` lanes.
+
+    H200, one token through the GEMM-fused launch, CUDA-graph µs (session 11, bench/NOTES.md;
+    DeepSeek / MiniMax / Qwen3.5): rounds + reload 7.14 / 6.02 / 9.88; tl.topk 6.71 / 5.05 /
+    10.12 (its network grows with the 512 lanes of Qwen's row); registers 7.78 / 6.56 / 9.28
+    (with a bias, the masked sum costs more than the reload it saves; without one it is free)."""
+    select = 1 if padded_experts <= TOPK_SELECT_MAX_EXPERTS else 0
+    tail_loads = 0 if has_bias else 1
+    return (select if _SELECT is None else _SELECT), (tail_loads if _TAIL_LOADS is None else _TAIL_LOADS)
 
 
 @triton.jit
@@ -107,18 +133,51 @@ def _sum_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _group_top2(key, SELECT: tl.constexpr):
+    """The two largest keys of each group (axis 2): ([R, G_PAD], [R, G_PAD])."""
+    if SELECT == 0:
+        first = tl.max(key, axis=2)
+        second = tl.max(tl.where(key == first[:, :, None], _NO_KEY, key), axis=2)
+    else:
+        first, second = tl.split(tl.topk(key, 2))
+    return first, second
+
+
+@triton.jit
+def _top_keys(key, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SELECT: tl.constexpr):
+    """The TOP_K largest keys of ``key`` [R, G_PAD, GS_PAD], descending, in [R, K_PAD] (slots
+    from TOP_K on unspecified).
+
+    SELECT 0: TOP_K rounds of one block-wide max, each removing its pick: TOP_K dependent
+    reductions.  1: tl.topk's bitonic top-k over all keys (pairwise exchanges along the bits of
+    the lane index, no chain of block-wide reductions)."""
+    kk = tl.arange(0, K_PAD)[None, :]
+    top = tl.full([key.shape[0], K_PAD], _NO_KEY, tl.int64)
+    if SELECT == 0 or K_PAD == 1:  # a top-1 is one max (and tl.topk(x, 1) fails in the interpreter)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(tl.max(key, axis=2), axis=1)  # [R]
+            key = tl.where(key == best[:, None, None], _NO_KEY, key)
+            top = tl.where(kk == i, best[:, None], top)
+    else:
+        top = tl.topk(tl.reshape(key, [key.shape[0], key.shape[1] * key.shape[2]]), K_PAD)
+    return top
+
+
+@triton.jit
 def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, renorm_eps, scale,
                 PARTIALS, stride_ps, stride_pt,
                 GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 TOP_K: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr):
     """Route the logits rows ``rows`` [R] (int64, ``row_mask`` in range); returns ([R, K_PAD]
     fp32 weights, [R, K_PAD] int32 ids).
 
     SPLIT == 0: the logits are read from LOGITS.  SPLIT > 0: they are the sum, in split order, of
     SPLIT fp32 partial GEMMs in PARTIALS [SPLIT, T, E] (written by other programs or launches:
-    read through L2), rounded to LOGITS' dtype and stored there (unit expert stride) first."""
+    read through L2), rounded to LOGITS' dtype and stored there (unit expert stride) first.
+    SELECT: how the top_k are picked (``_top_keys``); TAIL_LOADS: where the picked experts'
+    unbiased scores come from (0: reloaded logits, 1: the registers)."""
     NP: tl.constexpr = G_PAD * GS_PAD  # power of two > every expert index
     g = tl.arange(0, G_PAD)[None, :, None]
     j = tl.arange(0, GS_PAD)[None, None, :]
@@ -148,8 +207,7 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
     key = tl.where(valid, _score_key(choice, e, NP), _NO_KEY)
 
     if N_GROUP > 1:
-        first = tl.max(key, axis=2)  # [R, G_PAD]
-        second = tl.max(tl.where(key == first[:, :, None], _NO_KEY, key), axis=2)
+        first, second = _group_top2(key, SELECT)  # [R, G_PAD] each
         gscore = _key_score(first) + _key_score(second)
         gi = tl.arange(0, G_PAD)
         a = gscore[:, :, None]  # challenger h (axis 1)
@@ -160,23 +218,28 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         keep = (rank < TOPK_GROUP)[:, :, None]
         key = tl.where(valid, _score_key(tl.where(keep, choice, float("-inf")), e, NP), _NO_KEY)
 
+    top = _top_keys(key, TOP_K, K_PAD, SELECT)  # [R, K_PAD]
+    ids = (NP - 1 - (top & (NP - 1))).to(tl.int32)
     kk = tl.arange(0, K_PAD)[None, :]
-    ids = tl.zeros([x.shape[0], K_PAD], dtype=tl.int32)
-    for i in tl.static_range(TOP_K):
-        best = tl.max(tl.max(key, axis=2), axis=1)  # [R]
-        key = tl.where(key == best[:, None, None], _NO_KEY, key)
-        ids = tl.where(kk == i, (NP - 1 - (best & (NP - 1))).to(tl.int32)[:, None], ids)
-
-    # The picked experts' unbiased scores, gathered from the registers (a shared-memory
-    # shuffle, not a round trip to L2): lane (group, j) holds expert group * GROUP_SIZE + j.
-    # The picked experts' unbiased scores, recomputed from their logits with the same formula
-    # (bit-identical to the in-register scores). Reloading the logits (L1 / L2; the partials path
-    # stored them above, so after a bar.sync) measured faster than one tl.gather from the
-    # registers (H200, session 6: 0.3-0.9 µs at 1 token; bench/NOTES.md).
     picked = row_mask[:, None] & (kk < TOP_K)
-    tl.debug_barrier()
-    xk = tl.load(LOGITS + rows[:, None] * stride_lt + ids * stride_le, mask=picked, other=0.0, cache_modifier=".cg")
-    w = tl.where(picked, _scores(_upcast(xk), row_max[:, None], total[:, None], SCORING), 0.0)
+    if TAIL_LOADS == 0:
+        # The picked experts' unbiased scores, recomputed from their logits with the same
+        # formula (bit-identical to the in-register scores). Reloading the logits (L1 / L2; the
+        # partials path stored them above, so after a bar.sync) measured faster than one
+        # tl.gather from the registers (H200, session 6: 0.3-0.9 µs at 1 token; bench/NOTES.md).
+        tl.debug_barrier()
+        xk = tl.load(LOGITS + rows[:, None] * stride_lt + ids * stride_le, mask=picked, other=0.0,
+                     cache_modifier=".cg")
+        sk = _scores(_upcast(xk), row_max[:, None], total[:, None], SCORING)
+    elif HAS_BIAS:
+        # One masked sum over the experts per pick (all picks in one reduction), no memory
+        # round trip: exactly one lane matches, so the sum is that lane's score.
+        hit = valid[:, None] & (e[:, None] == ids[:, :, None, None])  # [R, K_PAD, G_PAD, GS_PAD]
+        sk = tl.sum(tl.sum(tl.where(hit, s[:, None], 0.0), axis=3), axis=2)
+    else:
+        # Without a bias the key's score is the unbiased score itself (never -0.0): free.
+        sk = _key_score(top)
+    w = tl.where(picked, sk, 0.0)
     if RENORMALIZE:
         w_sum = tl.sum(w, axis=1)
         w = tl.math.div_rn(w, tl.full(w.shape, 0.0, tl.float32) + (w_sum + renorm_eps)[:, None])
@@ -184,12 +247,11 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
 
 
 @triton.jit
-def _store_gate(PARTIALS, GATE, rows, row_mask, stride_ps, stride_pt, stride_g, column,
+def _gate_value(PARTIALS, rows, row_mask, stride_ps, stride_pt, column, GATE_DTYPE: tl.constexpr,
                 SPLIT: tl.constexpr):
-    """gate = sigmoid(the gate row's logit, rounded to GATE's dtype), from the split partials."""
+    """sigmoid(the gate row's logit, rounded to GATE_DTYPE), from the split partials."""
     logit = _sum_partials(PARTIALS, rows * stride_pt + column, row_mask, stride_ps, SPLIT)
-    gate = _scores(_round_trip(logit, GATE.dtype.element_ty), 0.0, 0.0, 0)  # sigmoid
-    tl.store(GATE + rows * stride_g, _downcast(gate, GATE.dtype.element_ty), mask=row_mask)
+    return _scores(_round_trip(logit, GATE_DTYPE), 0.0, 0.0, 0)  # sigmoid
 
 
 @triton.jit
@@ -220,39 +282,46 @@ def _moe_route_kernel(
     RENORMALIZE: tl.constexpr,
     SPLIT: tl.constexpr,  # 0: read LOGITS; > 0: sum SPLIT partial GEMMs into LOGITS first
     HAS_GATE: tl.constexpr,  # partials column E is the shared-expert gate's logit (SPLIT > 0)
+    SELECT: tl.constexpr,  # how the top_k are picked (_top_keys)
+    TAIL_LOADS: tl.constexpr,  # picked scores: 0 reloaded logits, 1 registers (and the gate's loads first)
 ):
     """Routing from logits (or from the router GEMM's partial sums): one program per token."""
-    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # int64: T * stride can pass 2**31
-    in_range = rows >= 0
-    out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, stride_le, BIAS, stride_b,
-                                renorm_eps, scale, PARTIALS, stride_ps, stride_pt, GROUP_SIZE,
-                                N_GROUP, TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING,
-                                HAS_BIAS, RENORMALIZE, SPLIT)
-    _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
-                  stride_it, stride_ik, TOP_K, K_PAD)
-    if HAS_GATE:
-        _store_gate(PARTIALS, GATE, rows, in_range, stride_ps, stride_pt, stride_g,
-                    N_GROUP * GROUP_SIZE, SPLIT)
+    row = tl.program_id(0)
+    _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, row + 1, N_GROUP * GROUP_SIZE,
+               stride_ps, stride_pt, stride_lt, stride_le, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
+               stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
+               G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SELECT, TAIL_LOADS)
 
 
 @triton.jit
 def _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
-               stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
+               stride_ps, stride_pt, stride_lt, stride_le, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
                stride_g, renorm_eps, scale,
                SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
                GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
-               SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Sum the split partials of token ``row`` and route it (+ its shared-expert gate)."""
-    rows = row.to(tl.int64) + tl.arange(0, 1)
+               SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+               SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr):
+    """Route token ``row`` (summing its split partials first when SPLIT > 0), + its
+    shared-expert gate."""
+    rows = row.to(tl.int64) + tl.arange(0, 1)  # int64: T * stride can pass 2**31
     in_range = rows < T
-    out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, 1, BIAS, stride_b, renorm_eps, scale,
-                                PARTIALS, stride_ps, stride_pt, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
-                                G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT)
+    GATE_DTYPE: tl.constexpr = GATE.dtype.element_ty
+    gate = tl.zeros([1], dtype=tl.float32)
+    if HAS_GATE and TAIL_LOADS == 1:
+        # Issued with the experts' partials rather than after the routing's barriers: one L2
+        # round trip fewer on the way out.
+        gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT)
+    out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, stride_le, BIAS, stride_b, renorm_eps,
+                                scale, PARTIALS, stride_ps, stride_pt, GROUP_SIZE, N_GROUP, TOPK_GROUP,
+                                TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT,
+                                SELECT, TAIL_LOADS)
     _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
                   stride_it, stride_ik, TOP_K, K_PAD)
     if HAS_GATE:
-        _store_gate(PARTIALS, GATE, rows, in_range, stride_ps, stride_pt, stride_g, E, SPLIT)
+        if TAIL_LOADS == 0:
+            gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT)
+        tl.store(GATE + rows * stride_g, _downcast(gate, GATE_DTYPE), mask=in_range)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -271,6 +340,7 @@ def _router_gemm_kernel(
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr,
 ):
     """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
     router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
@@ -315,9 +385,10 @@ def _router_gemm_kernel(
             if arrival == programs - 1:
                 for row in tl.static_range(BLOCK_T):
                     _route_row(tl.full([], row, tl.int32), PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
-                               stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
+                               stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
                                stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
-                               TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
+                               TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
+                               SELECT, TAIL_LOADS)
                 tl.store(COUNTERS, 0)
         elif arrival >= programs - tl.minimum(T, programs):
             routers = tl.minimum(T, programs)  # a narrow GEMM can have fewer programs than tokens
@@ -326,9 +397,10 @@ def _router_gemm_kernel(
                 seen = tl.atomic_add(COUNTERS, 0, sem="acquire", scope="gpu")
             for row in range(programs - 1 - arrival, T, routers):
                 _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
-                           stride_ps, stride_pt, stride_lt, stride_b, stride_wt, stride_wk, stride_it,
+                           stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
                            stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
-                           TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE)
+                           TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
+                           SELECT, TAIL_LOADS)
             if routers == 1:  # the only router: nobody else reads the counter
                 tl.store(COUNTERS, 0)
             elif tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel", scope="gpu") == routers - 1:
@@ -404,6 +476,7 @@ def _routing_meta(named: dict, experts: int) -> tuple[dict, int]:
         G_PAD=g_pad, GS_PAD=gs_pad, K_PAD=k_pad, SCORING=scoring, HAS_BIAS=bias is not None,
         RENORMALIZE=bool(named["renormalize"]),
     )
+    meta["SELECT"], meta["TAIL_LOADS"] = routing_tail(g_pad * gs_pad, bias is not None)
     return meta, num_warps
 
 

@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-12"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-13"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -439,3 +439,40 @@ def test_op_device_body_with_and_without_the_gate(gate):
     assert gate_out.shape == (3, 1 if gate else 0)
     if gate:
         torch.testing.assert_close(gate_out.cpu(), ref_gate.cpu(), rtol=1e-2, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing-tail alternatives (kernels/moe_route.py _SELECT / _TAIL_LOADS, timed by
+# bench/moe_router_check.py --parts ab): every test above runs ``routing_tail``'s pick for its
+# shape (up to 256 experts tl.topk, the registers' scores without a bias), so these force the rest.
+# ---------------------------------------------------------------------------------------------
+
+# (_SELECT, _TAIL_LOADS): the rounds with either source of the picked scores (the reload:
+# moe_route-12), tl.topk with the reload (also for the bias-free rows).
+TAIL_VARIANTS = [(0, 0), (0, 1), (1, 0)]
+TAIL_VARIANT_CASES = [
+    # (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, duplicate_rows, gate)
+    (True, 2, 64, 8, 4, 8, 0, True, False, False),  # DeepSeek's routing, narrow
+    (True, 2, 64, 8, 4, 8, 0, True, True, False),  # ... with exact ties (experts and groups)
+    (True, 2, 64, 1, 1, 10, 1, False, True, True),  # Qwen's: softmax, no bias, the gate column
+    (False, 2, 48, 4, 2, 7, 1, True, False, False),  # padded groups, two launches
+    (True, 1, 40, 1, 1, 20, 0, True, True, False),  # padded row, top_k 20 (K_PAD 32)
+]
+
+
+@pytest.mark.parametrize("select, tail_loads", TAIL_VARIANTS)
+def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads):
+    monkeypatch.setattr(K, "_SELECT", select)
+    monkeypatch.setattr(K, "_TAIL_LOADS", tail_loads)
+    for seed, (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, dup, gate) in enumerate(TAIL_VARIANT_CASES):
+        c = dict(tokens=tokens, experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, scoring=scoring,
+                 has_bias=bias, renormalize=True, renorm_eps=1e-20, scale=2.5, logits_dtype=torch.bfloat16,
+                 weights_dtype=torch.float32, seed=seed)
+        args = router_args(c, 48, duplicate_rows=dup, gate=gate)
+        if not dup:
+            assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8]), "near-tie input: change the seed"
+        with fused_up_to(16 if fused else 0):
+            assert_router_matches_reference(args)
+    # every score ties: experts and groups to the lowest indices (routing kernel alone)
+    logits = torch.zeros(1, 64, device=DEVICE)
+    assert_matches_reference((logits, None, 8, 4, 2, 0, True, 0.0, 1.0, torch.float32))
