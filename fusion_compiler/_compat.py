@@ -32,6 +32,7 @@ from torch._inductor.pattern_matcher import (  # noqa: E402
 from torch._inductor.fx_passes.post_grad import view_to_reshape as _view_to_reshape  # noqa: E402
 
 __all__ = [
+    "canonical_size",
     "trace_like_post_grad",
     "JOINT_GRAPH_DROPS_ROUND_TRIPS",
     "run_with_fake_mode",
@@ -73,6 +74,14 @@ def inductor_patches(post_grad_pass: CustomGraphPass, use_caches: bool):
             functorch_patches["enable_autograd_cache"] = False
     with inductor_config.patch(patches), functorch_config.patch(functorch_patches):
         yield
+
+
+def canonical_size(size: torch.SymInt):
+    """(the sympy expression of a symbolic size after the shape env's known equalities, its
+    value in the example the graph was traced with, or None)."""
+    node = size.node
+    expr = node.shape_env.replace(node.expr) if node.shape_env is not None else node.expr
+    return expr, node.hint
 
 
 def stable_topological_sort(graph: torch.fx.Graph) -> None:

@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._compat import canonical_size
+
 log = logging.getLogger("fusion_compiler")
 
 # Dynamo names a placeholder after the argument it came from: L_slots_, L_state_slots_, ...
@@ -71,21 +73,36 @@ class InputPlan:
 def plan_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence, slot_names: Sequence[str]) -> InputPlan:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
-    batch_symbols = {
-        v.shape[0].node.expr
-        for v in values
+    leading = {
+        i: canonical_size(v.shape[0])
+        for i, v in enumerate(values)
         if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt)
     }
+
+    def is_slot_input(i: int) -> bool:
+        match = _PLACEHOLDER_NAME.match(placeholders[i].name)
+        return bool(match and match.group("name").lower() in slot_names)
+
+    # The batch is the slot inputs' leading dim where there are any (their symbol, or another
+    # input's symbol of the same example size: Dynamo need not have unified them). A paged
+    # cache's block count is dynamic too when it grows with the batch, but no batch row: taken
+    # for one, its size never equalled the batch and every call ran uncaptured.
+    slot_sizes = {leading[i] for i in leading if is_slot_input(i)}
+
+    def in_batch(size) -> bool:
+        if not slot_sizes:
+            return size is not None
+        return size is not None and any(size[0] == s[0] or (size[1] is not None and size[1] == s[1]) for s in slot_sizes)
+
     batch, slots, sizes, movable = [], [], [], []
-    for i, (node, value) in enumerate(zip(placeholders, values)):
+    for i, value in enumerate(values):
         if isinstance(value, torch.SymInt):
-            if value.node.expr in batch_symbols:
+            if in_batch(canonical_size(value)):
                 sizes.append(i)
         elif isinstance(value, torch.Tensor):
-            if value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
+            if in_batch(leading.get(i)):
                 batch.append(i)
-                match = _PLACEHOLDER_NAME.match(node.name)
-                if match and match.group("name").lower() in slot_names:
+                if is_slot_input(i):
                     slots.append(i)
             elif i < len(example_inputs) and not isinstance(example_inputs[i], torch.nn.Parameter):
                 movable.append(i)
@@ -95,7 +112,7 @@ def plan_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence, slot_names: 
     for j, out in enumerate(flat_outputs):
         value = out.meta.get("example_value", out.meta.get("val")) if isinstance(out, torch.fx.Node) else None
         if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
-            if value.shape[0].node.expr in batch_symbols:
+            if in_batch(canonical_size(value.shape[0])):
                 batch_outputs.append(j)
     return InputPlan(tuple(batch), tuple(slots), tuple(sizes), tuple(movable), tuple(batch_outputs))
 

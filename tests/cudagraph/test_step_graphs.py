@@ -66,6 +66,28 @@ def test_plan_finds_batch_slot_and_in_place_inputs(traced):
     assert plan.batch_outputs == (0,)  # out is per token, the cache sum is not
 
 
+def test_a_cache_with_its_own_dynamic_size_is_no_batch_input():
+    """A paged cache whose block count grows with the batch is dynamic too, under its own symbol:
+    it is read in place (address checked), not taken for a batch row (as one, its size never
+    equalled the batch and every call ran uncaptured: the reference layers at batch 64)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    args = (torch.randn(3, 8), torch.arange(3), torch.arange(3).float(), torch.zeros(16, 8))
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.reset()
+    torch.compile(Step(), backend=backend)(*args)
+    plan = cudagraph.plan_inputs(seen["gm"], seen["inputs"], DEFAULT_SLOT_INPUTS)
+    names = _names(seen["gm"])
+    assert {names[i] for i in plan.batch} == {n for n in names if n.startswith(("l_hidden", "l_slots", "l_positions"))}
+    assert [names[i] for i in plan.movable] == [n for n in names if n.startswith("l_cache")]
+    assert all(seen["inputs"][i] == 3 for i in plan.batch_sizes)
+
+
 class _StandInGraph:
     def __init__(self, fn, args):
         self.fn, self.args, self.replays = fn, args, 0
