@@ -39,8 +39,11 @@ arithmetic itself (``--no-pinned`` skips it: two more compiles per stack and bat
 
 Experts: identical in every mode, so the comparison isolates fusion. HF's routed experts are
 stubbed to zeros by default (``--hf-experts``: the issue's latency bar), leaving attention +
-router + norms + shared expert; ours run (``--ref-experts compute``) through an opaque op
-(``--ref-experts grouped``: the same math reading each chosen expert once, ``torch._grouped_mm``).
+router + norms + shared expert; ours run through an opaque op, by default reading each chosen
+expert once (``--ref-experts grouped``, ``torch._grouped_mm``; ``compute`` gathers every token's
+experts' weights, ~27 ms a MiniMax layer at batch 64). The reference layers' attention core is
+an opaque op too (``paged_kv.paged_decode_attention``: the kv rows gathered once, SDPA), as a
+serving engine's attention backend is.
 
 Floors per layer: the layer's weight bytes read once (routed experts: the expected share of
 experts a batch of uniformly routed tokens touches) over the same run's copy bandwidth, and the
@@ -526,8 +529,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--hf-experts", default="zeros", choices=("compute", "zeros"), help="HF's own experts code, or zeros")
-    parser.add_argument("--ref-experts", default="compute", choices=moe.EXPERTS_MODES,
-                        help="grouped: each chosen expert read once (torch._grouped_mm), not gathered per token")
+    parser.add_argument("--ref-experts", default="grouped", choices=moe.EXPERTS_MODES,
+                        help="grouped: each chosen expert read once (torch._grouped_mm); compute: gathered per token")
     parser.add_argument("--no-pinned", action="store_true", help="skip vs_eager_pinned (DeepSeek's selection pinned)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny widths, context 32: correctness and reports only")
     args = parser.parse_args(argv)

@@ -13,6 +13,7 @@
 #   bash bench/decode_gpu_run.sh gated             the gated norm's kernel tests, then its bench
 #                                                  (bench/kernels.py --gated, ~2 min)
 # Results in $OUT/decode_results.tgz. Every pytest log is grepped for FAILED / E lines.
+# DECODE_SECONDS (default 540) bounds the decode phase when a call runs something before it.
 OUT=${OUT:-/tmp/out}
 R=$OUT/decode_results
 source bench/device_setup.sh "$R"
@@ -59,7 +60,7 @@ elif [ "$phase" = gated ]; then
   run_tests gated_tests 200 tests/kernels/test_rms_norm.py -k gated
   gated_bench 300
 else
-  timeout 540 python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
+  timeout "${DECODE_SECONDS:-540}" python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
   echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
 fi
 tar -czf "$OUT/decode_results.tgz" -C "$OUT" decode_results && rm -rf "$R"

@@ -1,7 +1,8 @@
-"""Where a decode layer's microseconds go: device time per kernel name, per layer, on HF's code.
+"""Where a decode layer's microseconds go: device time per kernel name, per layer, on HF's code
+or on our reference layers (``--source reference``, routed experts per ``--experts``).
 
 bench/decode.py says how long a layer takes; this says which kernels take it. For each (model,
-layer kind) it builds decode.py's two stacks (routed experts stubbed to zeros, as there), runs
+layer kind) it builds decode.py's two stacks (HF's routed experts stubbed to zeros, as there), runs
 stock Inductor's step captured in a CUDA graph and our backend's step under the profiler, and
 writes, per kernel name, the device µs and launches per call of (2 layers) - (1 layer). The sum
 of kernel time against the step's wall time (CUDA events) is the time the GPU sat between
@@ -9,6 +10,7 @@ kernels.
 
     python bench/profile_step.py --out bench/results/profile_step_h200.json
     python bench/profile_step.py --models minimax-m2.5 --batch 1 --out p.json
+    python bench/profile_step.py --source reference --experts grouped --models minimax-m2.5 --batch 64 --out p.json
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ def kernel_times(run) -> dict[str, dict[str, float]]:
     return dict(table)
 
 
-def profile_case(model: str, kind: str, batch: int, context: int) -> dict:
-    big, small = decode.layer_pairs("hf", model)[kind]
+def profile_case(source: str, model: str, kind: str, batch: int, context: int, experts: str) -> dict:
+    big, small = decode.layer_pairs(source, model)[kind]
+    build = decode.build_hf if source == "hf" else decode.build_reference
     stacks = {}
     for label, kinds in (("two", big), ("one", small)):
         torch._dynamo.reset()
-        stack = decode.build_hf(model, kinds, "real", "cuda", "zeros")
+        stack = build(model, kinds, "real", "cuda", experts)
         compiled = decode.compile_modes(MODES, stack.model, stack.expected)
-        step = decode.Step("hf", model, stack, batch, context)
+        step = decode.Step(source, model, stack, batch, context)
         stacks[label] = {}
         for mode in MODES:
             run, _, _ = decode.prepare(mode, compiled[mode], step)
@@ -77,12 +80,13 @@ def profile_case(model: str, kind: str, batch: int, context: int) -> dict:
         wall = two["wall_us"] - one["wall_us"]
         per_layer[mode] = {"wall_us": wall, "kernel_us": kernel_us, "between_kernels_us": wall - kernel_us,
                            "kernels": dict(sorted(rows.items(), key=lambda kv: -kv[1]["us"]))}  # fmt: skip
-    return {"model": model, "kind": kind, "batch": batch, "context": context, "per_layer": per_layer, "stacks": stacks}
+    return {"source": source, "model": model, "kind": kind, "batch": batch, "context": context, "experts": experts,
+            "per_layer": per_layer, "stacks": stacks}
 
 
 def print_case(case: dict) -> None:
     for mode, layer in case["per_layer"].items():
-        print(f"{case['model']} {case['kind']} B={case['batch']} {mode}: {layer['wall_us']:.1f} us a layer, "
+        print(f"{case['source']} {case['model']} {case['kind']} B={case['batch']} {mode}: {layer['wall_us']:.1f} us a layer, "
               f"kernels {layer['kernel_us']:.1f} us, between kernels {layer['between_kernels_us']:.1f} us")  # fmt: skip
         for name, row in list(layer["kernels"].items())[:18]:
             print(f"    {row['us']:7.2f} us  x{row['launches']:4.1f}  {name[:110]}")
@@ -94,12 +98,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(decode.MODELS), choices=list(decode.MODELS))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--source", default="hf", choices=("hf", "reference"))
+    parser.add_argument("--experts", default=None,
+                        help="routed experts: HF's zeros / compute (default zeros), ours compute / grouped (default compute)")
     args = parser.parse_args()
+    experts = args.experts or ("zeros" if args.source == "hf" else "compute")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     cases = []
     for model in args.models:
-        for kind in decode.layer_pairs("hf", model):
-            case = profile_case(model, kind, args.batch, args.context)
+        for kind in decode.layer_pairs(args.source, model):
+            case = profile_case(args.source, model, kind, args.batch, args.context, experts)
             print_case(case)
             cases.append(case)
             common.write_json(args.out, {"device": common.device_facts(), "method": __doc__, "cases": cases})

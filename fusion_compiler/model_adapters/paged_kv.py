@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
@@ -121,16 +122,62 @@ def padded_context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_s
 
 
 def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid, num_kv_heads):
-    """Decode attention in fp32: q [T, heads, D], token t the last token of sequence t, attending
-    to ``context_slots[t]`` (its sequence's slots, the new one included, padded where
-    ``context_valid`` is False); GQA by repeating each kv head heads / num_kv_heads times; scale
-    D^-0.5. Returns [T, heads, D] fp32 (the caller rounds to its activation dtype)."""
+    """Decode attention: q [T, heads, D], token t the last token of sequence t, attending to
+    ``context_slots[t]`` (its sequence's slots, the new one included, padded where
+    ``context_valid`` is False); query head h reads kv head h // (heads / num_kv_heads); scale
+    D^-0.5. Returns [T, heads, D] fp32 (the caller rounds to its activation dtype).
+
+    The attention core is one opaque op (``fusion_compiler_ref::paged_decode_attention``), as a
+    serving engine's attention backend is: every mode (eager, stock Inductor, ours) runs the same
+    kernels, so a comparison of the layers measures the fusion around it."""
+    if k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"the caches hold {k_cache.shape[2]} kv heads, not {num_kv_heads}")
+    return torch.ops.fusion_compiler_ref.paged_decode_attention(
+        q, k_cache, v_cache, float(k_scale), float(v_scale), context_slots, context_valid
+    )
+
+
+@torch.library.custom_op("fusion_compiler_ref::paged_decode_attention", mutates_args=())
+def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+                            v_scale: float, context_slots: torch.Tensor, context_valid: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Each sequence's K/V rows gathered once (no copy per query head: a GQA group's G query
+    heads are G queries of one SDPA call over their kv head), FP8 rows dequantised to fp32,
+    bf16 / fp16 rows kept as they are (exact), then ``scaled_dot_product_attention`` with the
+    context mask. The gather is [T, context, kv_heads, D]: at MiniMax's widths and batch 64
+    0.5 GiB a cache in bf16, where the repeat to every query head in fp32 it replaces was 6 GiB
+    (11 ms a layer on the H200, bench/NOTES.md)."""
+    tokens, ctx = context_slots.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    dtype = q.dtype if k_cache.dtype == q.dtype and v_cache.dtype == q.dtype else torch.float32
+    flat = context_slots.clamp(min=0).flatten()
+
+    def rows(cache, scale):  # [T, kv_heads, context, D]
+        r = cache.view(-1, *cache.shape[2:])[flat]
+        r = r.float() * scale if cache.dtype == FP8 else r.to(dtype)
+        return r.view(tokens, ctx, kv_heads, -1).transpose(1, 2)
+
+    grouped_q = q.to(dtype).view(tokens, kv_heads, heads // kv_heads, head_dim)
+    mask = context_valid.view(tokens, 1, 1, ctx)
+    out = F.scaled_dot_product_attention(grouped_q, rows(k_cache, k_scale), rows(v_cache, v_scale),
+                                         attn_mask=mask, scale=head_dim**-0.5)  # fmt: skip
+    return out.reshape(tokens, heads, -1).float()
+
+
+@_paged_decode_attention.register_fake
+def _(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=torch.float32)
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid, num_kv_heads):
+    """The same attention in fp32 with every kv head repeated to its query heads (the op's
+    numerical truth, for tests)."""
     tokens, ctx = context_slots.shape
     heads, head_dim = q.shape[1], q.shape[2]
     keys = read_cache(k_cache, context_slots.clamp(min=0).flatten(), k_scale)
     values = read_cache(v_cache, context_slots.clamp(min=0).flatten(), v_scale)
     keys = keys.view(tokens, ctx, num_kv_heads, head_dim).repeat_interleave(heads // num_kv_heads, 2)
-    values = values.view(tokens, ctx, num_kv_heads, head_dim).repeat_interleave(heads // num_kv_heads, 2)
+    values = values.view(tokens, ctx, num_kv_heads, -1).repeat_interleave(heads // num_kv_heads, 2)
     scores = torch.einsum("thd,tchd->thc", q.float(), keys) * head_dim**-0.5
     scores = scores.masked_fill(~context_valid[:, None, :], float("-inf"))
     return torch.einsum("thc,tchd->thd", scores.softmax(-1), values)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import moe
+from fusion_compiler.model_adapters import moe, paged_kv
 from fusion_compiler.model_adapters.deepseek_v32 import decode_layer as deepseek
 from fusion_compiler.model_adapters.minimax_m2 import decode_layer as minimax
 from fusion_compiler.model_adapters.qwen35 import decode_layer as qwen
@@ -27,6 +27,7 @@ from fusion_compiler.verify import relative_error
 LINEAR, FULL = qwen.LAYER_KINDS
 MODELS = {"deepseek": deepseek, "minimax": minimax, "qwen": qwen}
 EXPERTS_OP = torch.ops.fusion_compiler_ref.routed_experts.default
+ATTENTION_OP = torch.ops.fusion_compiler_ref.paged_decode_attention.default
 ZEROS_OP = torch.ops.fusion_compiler_ref.routed_experts_zeros.default
 
 
@@ -109,6 +110,24 @@ def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype, grou
         torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights[:, :1], gate_up, down, grouped)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, paged_kv.FP8])
+def test_paged_decode_attention_equals_the_repeated_fp32_attention(cache_dtype):
+    """The opaque attention (each kv head's rows gathered once, G query heads as G queries of one
+    SDPA) equals the fp32 attention over every query head's repeated rows; padded context
+    positions (slot -1, masked) take no weight."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim, blocks, block_size, ctx = 3, 6, 2, 16, 8, 4, 10
+    q = torch.randn(tokens, heads, head_dim, generator=gen).bfloat16()
+    caches = [(torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen) * 4).to(cache_dtype) for _ in range(2)]
+    slots = torch.randperm(blocks * block_size, generator=gen)[: tokens * ctx].view(tokens, ctx)
+    valid = torch.arange(ctx) < torch.tensor([[ctx], [7], [1]])
+    slots = torch.where(valid, slots, -1)
+    args = (q, *caches, 0.5, 0.25, slots, valid, kv_heads)
+    out = paged_kv.paged_decode_attention(*args)
+    assert out.dtype == torch.float32 and out.shape == (tokens, heads, head_dim)
+    assert relative_error(out, paged_kv.paged_decode_attention_reference(*args)) < (1e-2 if cache_dtype == torch.bfloat16 else 1e-5)
+
+
 def test_zero_experts_return_zeros_and_hold_no_weights():
     model = _build("minimax", 1, experts="zeros")
     block = model.layers[0].mlp
@@ -121,8 +140,9 @@ def test_zero_experts_return_zeros_and_hold_no_weights():
 
 @pytest.mark.parametrize("experts, op", [("compute", EXPERTS_OP), ("zeros", ZEROS_OP)])
 def test_experts_stay_one_opaque_node_per_layer(experts, op):
-    """The graph Inductor lowers (Dynamo's, after AOT with Inductor's decompositions) calls the op
-    once per layer and has no expert GEMM of its own: every mode runs the op's own kernels."""
+    """The graph Inductor lowers (Dynamo's, after AOT with Inductor's decompositions) calls the
+    experts op and the attention op once per layer and has no batched GEMM of its own: every mode
+    runs those ops' own kernels."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
@@ -140,8 +160,9 @@ def test_experts_stay_one_opaque_node_per_layer(experts, op):
     [graph] = graphs
     calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target in (EXPERTS_OP, ZEROS_OP)]
     assert [n.target for n in calls] == [op, op]
-    batched_gemms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
-    assert len(batched_gemms) == 2 * 2  # the attention's two einsums per layer; no expert GEMM
+    attention = [n for n in graph.graph.nodes if n.target is ATTENTION_OP]
+    assert len(attention) == 2
+    assert not [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
 
 
 # ------------------------------------------------------------------------------------------

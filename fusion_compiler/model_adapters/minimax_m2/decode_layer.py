@@ -4,7 +4,8 @@ Each layer runs as vLLM's MiniMax-M2 decoder layer does at tensor-parallel size 
 
 * residual add + input RMSNorm (HF's ``MiniMaxM2RMSNorm``: fp32, rounded, then times the weight);
 * the serving-engine attention of ``reference.py``: fused qkv GEMM, q/k RMSNorm over the whole
-  projections, partial NeoX RoPE, paged K/V cache, decode attention, o_proj;
+  projections, partial NeoX RoPE, paged K/V cache, decode attention (an opaque op, identical in
+  every compile mode), o_proj;
 * residual add + post-attention RMSNorm;
 * the MoE of ``moe.py``: HF's sigmoid + correction-bias router (top-8 of 256, renormalised, no
   scaling) and the routed experts (1536 wide), identical in every compile mode. No shared expert.

@@ -14,7 +14,9 @@ runs it at tensor-parallel size 1 (docs/MODELS.md):
 * a paged KV cache ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V, written at
   ``slot_mapping``, in bf16 or FP8 e4m3 with one per-tensor scale per
   cache (``value / scale`` clamped to +-448 and rounded to FP8, as vLLM's ``fp8`` kv-cache dtype);
-* decode attention over each sequence's context through its block table; o_proj.
+* decode attention over each sequence's context through its block table (one opaque op,
+  ``paged_kv.paged_decode_attention``: a serving engine's attention backend, identical in every
+  compile mode); o_proj.
 
 Tensor parallelism (``Attention(cfg, tp_rank, tp_size, group)``, weights from ``shard``): each
 rank holds ``num_heads / tp_size`` q heads and ``num_kv_heads / tp_size`` kv heads (vLLM's

@@ -16,12 +16,13 @@ writes the path the fusions target in production, in the form vLLM's ``Qwen3Next
   (``mrope_section`` [11, 11, 10]); with text-only inputs the three position rows are equal, so
   it is plain RoPE over one position per token;
 * the paged K/V cache of ``paged_kv`` (bf16 or FP8 e4m3 with a per-tensor scale), written at
-  ``slots``; decode attention over each sequence's context (``paged_kv.paged_decode_attention``);
+  ``slots``; decode attention over each sequence's context (``paged_kv.paged_decode_attention``,
+  one opaque op, identical in every compile mode);
 * ``out * sigmoid(gate)`` in the activation dtype, then o_proj.
 
 Rounding differences from HF (bf16): HF rounds cos/sin to bf16 and rounds after each RoPE
-product; its attention is SDPA over bf16 q/k/v. Here cos/sin stay fp32, RoPE rounds once and the
-attention math is fp32 (one rounding at the end). The norms round once in both.
+product. Here cos/sin stay fp32 and RoPE rounds once. Both attend by SDPA (here over bf16 q/k/v
+with a bf16 cache, fp32 with an FP8 one). The norms round once in both.
 
 Everything here is ordinary model code: nothing imports the compiler's ops.
 """
