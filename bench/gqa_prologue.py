@@ -107,21 +107,24 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
 
 
 def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list) -> dict:
-    """% of HBM by (head-block lanes, warps): "lanes/warps" -> %."""
+    """% of HBM by (head-block lanes, warps, grid order): "lanes/warps/order" -> %, order
+    "tokens" (every q program first) or "interleaved" (role fastest)."""
     from fusion_compiler.kernels import gqa_prologue as kernel
 
-    saved = kernel._BLOCK_LANES, kernel.num_warps_for
+    saved = kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES
     out = {}
     try:
         with torch.no_grad():
             for lanes in lanes_list:
                 for warps in warps_list:
-                    kernel._BLOCK_LANES = lanes
-                    kernel.num_warps_for = lambda _lanes, w=warps: w
-                    us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
-                    out[f"{lanes}/{warps}"] = round(100 * size / us / 1e3 / bandwidth, 1)
+                    for interleaved in (False, True):
+                        kernel._BLOCK_LANES, kernel._INTERLEAVE_ROLES = lanes, interleaved
+                        kernel.num_warps_for = lambda _lanes, w=warps: w
+                        us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
+                        order = "interleaved" if interleaved else "tokens"
+                        out[f"{lanes}/{warps}/{order}"] = round(100 * size / us / 1e3 / bandwidth, 1)
     finally:
-        kernel._BLOCK_LANES, kernel.num_warps_for = saved
+        kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES = saved
     return out
 
 

@@ -41,6 +41,12 @@ KERNEL_VERSION = "gqa_prologue-9"
 # 35 / 40 / 30%.
 WHOLE_TILES_UP_TO = 256
 _BLOCK_LANES = 1024
+# Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
+# tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
+# conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
+# Interleaved (3 * tokens, role fastest) mixes them; A/B on the H200 pending (bench/gqa_prologue.py
+# --sweep-lanes).
+_INTERLEAVE_ROLES = False
 
 
 def heads_per_block(tokens: int, heads: int, d_pad: int) -> int:
@@ -147,11 +153,17 @@ def _gqa_prologue_kernel(
     heads, kv_heads, eps, weight_offset, k_scale, v_scale, variance_divisor,
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
-    t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    # INTERLEAVED: a 1-D grid with the role varying fastest, so the GPU starts q, k and v
+    # programs side by side instead of every q program first and the small k / v ones last.
+    if INTERLEAVED:
+        pid = tl.program_id(0).to(tl.int64)
+        t, role = pid // 3, pid % 3
+    else:
+        t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
     if role == 2:
         slot = tl.load(SLOTS + t).to(tl.int64)
@@ -224,8 +236,10 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     # Without variances the kernel never reads them: any fp32-free pointer stands in (stride 0).
     q_var, k_var = (q_variance, k_variance) if has_variance else (slots, slots)
 
+    grid = (3 * tokens,) if _INTERLEAVE_ROLES else (tokens, 3)
+
     def _launch():
-        _gqa_prologue_kernel[(tokens, 3)](
+        _gqa_prologue_kernel[grid](
             q, k, v, q_norm_weight, k_norm_weight, cos, sin, slots if positions is None else positions, slots,
             k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out, q_var, k_var,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
@@ -234,7 +248,8 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=num_warps_for(hb_q * d_pad),
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=_INTERLEAVE_ROLES,
+            num_warps=num_warps_for(hb_q * d_pad),
         )
 
     launch_on_device(q, _launch)

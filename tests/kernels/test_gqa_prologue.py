@@ -200,3 +200,13 @@ def test_op_device_body_with_and_without_variances(tp):
     _assert_bf16_close(q_out, q_ref, "q_out")
     for got, want in zip(caches, ref_caches):
         _assert_bf16_close(got, want, "cache")
+
+
+@pytest.mark.parametrize("model", ["minimax", "qwen"])
+def test_interleaved_grid(monkeypatch, model):
+    """The role-fastest 1-D grid computes what the (tokens, 3) grid does, with an FP8 cache
+    (``_run`` gives about a quarter of the tokens slot -1 and compares the whole caches)."""
+    monkeypatch.setattr(K, "_INTERLEAVE_ROLES", True)
+    c = dict(tokens=5, kv_heads=2, group=3, head_dim=64, seed=13, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
+    c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen")
+    _run(c)
