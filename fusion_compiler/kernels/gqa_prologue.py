@@ -44,8 +44,9 @@ _BLOCK_LANES = 1024
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
 # tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
 # conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
-# Interleaved (3 * tokens, role fastest) mixes them; A/B on the H200 pending (bench/gqa_prologue.py
-# --sweep-lanes).
+# Interleaved (3 * tokens, role fastest) mixes them. H200 at 4096 tokens (session 11,
+# bench/gqa_prologue.py --sweep-lanes; BENCHMARKS.md): FP8 +0.9 points, MiniMax bf16 +2.6, Qwen3.5
+# bf16 -3.2, so it stays off.
 _INTERLEAVE_ROLES = False
 
 

@@ -287,6 +287,7 @@ def _moe_route_kernel(
 ):
     """Routing from logits (or from the router GEMM's partial sums): one program per token."""
     row = tl.program_id(0)
+    # T = row + 1: the grid has one program per token, so this program's row is always in range.
     _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, row + 1, N_GROUP * GROUP_SIZE,
                stride_ps, stride_pt, stride_lt, stride_le, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
                stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,

@@ -97,10 +97,10 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, 
     cache.view(-1, *cache.shape[2:]).index_put_((slots,), rows.to(cache.dtype))
 
 
-def read_cache(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, kv_heads, D] fp32 rows at flat ``slots``."""
-    rows = cache.view(-1, *cache.shape[2:])[slots].float()
-    return rows * scale if cache.dtype == FP8 else rows
+def read_cache(cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n, kv_heads, D] rows at flat ``slots`` in ``dtype``; FP8 rows dequantised (fp32 only)."""
+    rows = cache.view(-1, *cache.shape[2:])[slots]
+    return rows.float() * scale if cache.dtype == FP8 else rows.to(dtype)
 
 
 def context_of(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
@@ -153,9 +153,7 @@ def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     flat = context_slots.clamp(min=0).flatten()
 
     def rows(cache, scale):  # [T, kv_heads, context, D]
-        r = cache.view(-1, *cache.shape[2:])[flat]
-        r = r.float() * scale if cache.dtype == FP8 else r.to(dtype)
-        return r.view(tokens, ctx, kv_heads, -1).transpose(1, 2)
+        return read_cache(cache, flat, scale, dtype).view(tokens, ctx, kv_heads, -1).transpose(1, 2)
 
     grouped_q = q.to(dtype).view(tokens, kv_heads, heads // kv_heads, head_dim)
     mask = context_valid.view(tokens, 1, 1, ctx)
