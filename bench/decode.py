@@ -40,10 +40,12 @@ arithmetic itself (``--no-pinned`` skips it: two more compiles per stack and bat
 Experts: identical in every mode, so the comparison isolates fusion. HF's routed experts are
 stubbed to zeros by default (``--hf-experts``: the issue's latency bar), leaving attention +
 router + norms + shared expert; ours run through an opaque op, by default reading each chosen
-expert once (``--ref-experts grouped``, ``torch._grouped_mm``; ``compute`` gathers every token's
-experts' weights, ~27 ms a MiniMax layer at batch 64). The reference layers' attention core is
-an opaque op too (``paged_kv.paged_decode_attention``: the kv rows gathered once, SDPA), as a
-serving engine's attention backend is.
+expert once (``--ref-experts grouped``: on CUDA up to 160 (token, k) pairs two Triton GEMV
+kernels, ``model_adapters/experts_kernel.py``, else ``torch._grouped_mm``; ``compute`` gathers
+every token's experts' weights, ~27 ms a MiniMax layer at batch 64). The reference layers'
+attention core is an opaque op too (``paged_kv.paged_decode_attention``: on CUDA a split-KV
+Triton kernel reading the paged cache through the slot table, ``kernels/paged_decode_attention.py``;
+on CPU the kv rows gathered once, then SDPA), as a serving engine's attention backend is.
 
 Floors per layer: the layer's weight bytes read once (routed experts: the expected share of
 experts a batch of uniformly routed tokens touches) over the same run's copy bandwidth, and the

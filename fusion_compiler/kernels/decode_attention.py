@@ -42,6 +42,10 @@ was 8% (worst 21%) off. Times with it: MiniMax B 1 / 8 / 64 8.7 / 40 / 265-287 u
 repeat_kv + sdpa (bf16 additive mask) took 139 / 1005 / 7838 us on MiniMax, 190 / 1363 / 10780
 on Qwen3.5, 132 / 695 / 5386 on DeepSeek (no repeat there: G = 1).
 
+The paged variant (``paged_decode_attention.py``: K/V rows gathered through a slot list, FP8
+caches) reuses the program's pieces: ``program_start``, ``softmax_step``, ``p_operand``,
+``program_end``, and on the host ``split_plan``, ``split_workspace`` and ``combine``.
+
 This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before importing it to
 run on CPU tensors.
 """
@@ -74,22 +78,38 @@ def block_s_for(d: int, dv: int) -> int:
     return BLOCK_S
 
 
-def num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> tuple[int, int]:
-    """(splits, tiles_per_split) for a grid of ``batch * kv_heads`` rows; shapes only."""
+def num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int,
+               target: int = TARGET_PROGRAMS) -> tuple[int, int]:  # fmt: skip
+    """(splits, tiles_per_split) for a grid of ``batch * kv_heads`` rows, about ``target``
+    programs; shapes only."""
     tiles = triton.cdiv(seq_len, block_s)
-    splits = max(1, min(triton.cdiv(tiles, MIN_TILES_PER_SPLIT), triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)))
+    splits = max(1, min(triton.cdiv(tiles, MIN_TILES_PER_SPLIT), triton.cdiv(target, batch * kv_heads)))
     per_split = triton.cdiv(tiles, splits)
     return triton.cdiv(tiles, per_split), per_split
 
 
 @triton.jit
-def _p_operand(p, DTYPE: tl.constexpr):
+def p_operand(p, DTYPE: tl.constexpr):
     """The softmax weights as the P @ V operand: rounded to V's dtype (kept fp32 under the
     interpreter, which then multiplies in fp32)."""
     if INTERPRETER:
         return round_trip(p, DTYPE)
     else:
         return downcast(p, DTYPE)
+
+
+@triton.jit
+def softmax_step(x, valid, m_i, l_i):
+    """The online softmax over one tile of fp32 scores x [G_PAD, BLOCK_S] (-inf where not
+    ``valid`` [BLOCK_S]): returns (new max, the factor alpha that rescales the old sum and
+    accumulator, the tile's weights p, the new sum)."""
+    x = tl.where(valid[None, :], x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(x, axis=1))
+    # All -inf so far: subtract 0 instead, so exp gives 0, not exp(-inf + inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m_i - m_safe) * _LOG2E)
+    p = tl.exp2((x - m_safe[:, None]) * _LOG2E)
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -111,17 +131,50 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
         valid = in_s & (keep != 0)
     elif MASK_KIND == 2:
         x = x + upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))[None, :]
-    x = tl.where(valid[None, :], x, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(x, axis=1))
-    # All -inf so far: subtract 0 instead, so exp gives 0, not exp(-inf + inf) = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((m_i - m_safe) * _LOG2E)
-    p = tl.exp2((x - m_safe[:, None]) * _LOG2E)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
     vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
                  mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + mma(_p_operand(p, vt.dtype), vt)
+    acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
     return m_new, l_i, acc
+
+
+@triton.jit
+def program_start(Q, stride_qb, stride_qh, stride_qd, H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr):  # fmt: skip
+    """A split program of grid ``(rows * H_KV, splits)``: its (row b, kv head, query heads
+    [G_PAD]) as int64, its [G_PAD, D_PAD] query tile (padding 0) and the empty (m, l, acc)."""
+    pid = tl.program_id(0)
+    b = (pid // H_KV).to(tl.int64)
+    kvh = (pid % H_KV).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * G + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=(g < G)[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    return b, kvh, heads, q, m_i, l_i, acc
+
+
+@triton.jit
+def program_end(acc, m_i, l_i, b, heads, OUT, WS_ACC, WS_ML, stride_ob, stride_oh, stride_od,
+                H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, G_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                SPLIT: tl.constexpr):  # fmt: skip
+    """A split program's result: (m, l, acc) into the workspace for ``_combine_kernel``, or with
+    one split ``acc / l`` straight into OUT[b, heads] (in OUT's dtype)."""
+    g_ok = tl.arange(0, G_PAD) < G
+    dv = tl.arange(0, DV_PAD)
+    if SPLIT:
+        splits = tl.num_programs(1)
+        row = (b * H + heads) * splits + tl.program_id(1)  # [G_PAD]
+        tl.store(WS_ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv < DV)[None, :])
+        tl.store(WS_ML + row * 2, m_i, mask=g_ok)
+        tl.store(WS_ML + row * 2 + 1, l_i, mask=g_ok)
+    else:
+        o = acc / l_i[:, None]  # fully masked: 0 / 0 = NaN, like sdpa
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dv[None, :] * stride_od,
+                 downcast(o, OUT.dtype.element_ty), mask=g_ok[:, None] & (dv < DV)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -139,24 +192,12 @@ def _split_kernel(
     SPLIT: tl.constexpr,  # write (m, l, acc) to the workspace, else out directly
     INTERP_TILES: tl.constexpr,  # tiles_per_split, under the interpreter only
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (pid // H_KV).to(tl.int64)
-    kvh = (pid % H_KV).to(tl.int64)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    dv = tl.arange(0, DV_PAD)
-    g_ok = g < G
-    heads = kvh * G + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=g_ok[:, None] & (d < D)[None, :], other=0.0)  # fmt: skip
+    b, kvh, heads, q, m_i, l_i, acc = program_start(Q, stride_qb, stride_qh, stride_qd,
+                                                    H_KV, G, D, G_PAD, D_PAD, DV_PAD)  # fmt: skip
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     m_base = MASK + b * stride_mb
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    first = split * tiles_per_split
+    first = tl.program_id(1) * tiles_per_split
     # Only the last split can run past S (masked: its loads move no bytes).
     if INTERPRETER:
         for i in range(0, INTERP_TILES):
@@ -168,16 +209,8 @@ def _split_kernel(
             m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                   D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND)  # fmt: skip
-    if SPLIT:
-        splits = tl.num_programs(1)
-        row = (b * (H_KV * G) + heads) * splits + split  # [G_PAD]
-        tl.store(WS_ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv < DV)[None, :])
-        tl.store(WS_ML + row * 2, m_i, mask=g_ok)
-        tl.store(WS_ML + row * 2 + 1, l_i, mask=g_ok)
-    else:
-        o = acc / l_i[:, None]  # fully masked: 0 / 0 = NaN, like sdpa
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dv[None, :] * stride_od,
-                 downcast(o, OUT.dtype.element_ty), mask=g_ok[:, None] & (dv < DV)[None, :])  # fmt: skip
+    program_end(acc, m_i, l_i, b, heads, OUT, WS_ACC, WS_ML, stride_ob, stride_oh, stride_od,
+                H_KV * G, G, DV, G_PAD, DV_PAD, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -227,6 +260,41 @@ def _combine_block(ml, ws, sj, dv, splits, m_g, l_run, acc, DV: tl.constexpr):
     w = tl.where(ok, tl.exp2((m_s - m_g) * _LOG2E), 0.0)
     a = tl.load(ws + sj[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
     return l_run + w * l_s, acc + tl.sum(w[:, None] * a, axis=0)
+
+
+def split_plan(rows: int, kv_heads: int, seq_len: int, block_s: int, splits: int | None,
+               target: int = TARGET_PROGRAMS) -> tuple[int, int]:  # fmt: skip
+    """(splits, tiles_per_split): ``num_splits``'s, or ``splits`` (a test's) clamped to the tile
+    count with no empty split."""
+    if splits is None:
+        return num_splits(rows, kv_heads, seq_len, block_s, target)
+    tiles = triton.cdiv(seq_len, block_s)
+    per_split = triton.cdiv(tiles, max(1, min(splits, tiles)))
+    return triton.cdiv(tiles, per_split), per_split
+
+
+def split_workspace(rows_heads: int, splits: int, dv: int, out: torch.Tensor):
+    """(acc, m/l) fp32 workspaces for ``rows_heads`` (row, query head) pairs; with one split
+    none is needed (``out`` is passed in their place, never dereferenced)."""
+    if splits == 1:
+        return out, out
+    ws_acc = torch.empty((rows_heads * splits * dv,), dtype=torch.float32, device=out.device)
+    ws_ml = torch.empty((rows_heads * splits * 2,), dtype=torch.float32, device=out.device)
+    return ws_acc, ws_ml
+
+
+def combine(ws_acc, ws_ml, out: torch.Tensor, out_strides, rows: int, heads: int, dv: int, splits: int) -> None:
+    """Launch ``_combine_kernel``: out[row, head, :Dv] (strides ``out_strides``) from the splits'
+    (m, l, acc) in the workspace (``program_end``'s layout)."""
+    split_blocks = triton.cdiv(splits, _SPLIT_BLOCK)
+    _combine_kernel[(rows * heads,)](
+        ws_acc, ws_ml, out,
+        splits, split_blocks,
+        *out_strides,
+        H=heads, DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)), SPLIT_BLOCK=_SPLIT_BLOCK,
+        INTERP_BLOCKS=split_blocks if INTERPRETER else 0,
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
 
 
 def _mask_args(mask: torch.Tensor | None, batch: int, seq_len: int, like: torch.Tensor):
@@ -280,20 +348,10 @@ def decode_attention_fwd(
     group = heads // kv_heads
     m_ptr, stride_mb, stride_ms, mask_kind = _mask_args(mask, batch, seq_len, q)
     block_s = block_s or block_s_for(d, dv)
-    tiles = triton.cdiv(seq_len, block_s)
-    if splits is None:
-        splits, per_split = num_splits(batch, kv_heads, seq_len, block_s)
-    else:
-        per_split = triton.cdiv(tiles, max(1, min(splits, tiles)))
-        splits = triton.cdiv(tiles, per_split)
+    splits, per_split = split_plan(batch, kv_heads, seq_len, block_s, splits)
     split = splits > 1
-    if split:
-        ws_acc = torch.empty((batch * heads * splits * dv,), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((batch * heads * splits * 2,), dtype=torch.float32, device=q.device)
-    else:
-        ws_acc = ws_ml = out  # never dereferenced
+    ws_acc, ws_ml = split_workspace(batch * heads, splits, dv, out)
     dv_pad = max(16, triton.next_power_of_2(dv))
-    split_blocks = triton.cdiv(splits, _SPLIT_BLOCK)
 
     def _launch():
         _split_kernel[(batch * kv_heads, splits)](
@@ -311,13 +369,6 @@ def decode_attention_fwd(
             num_warps=_NUM_WARPS,
         )  # fmt: skip
         if split:
-            _combine_kernel[(batch * heads,)](
-                ws_acc, ws_ml, out,
-                splits, split_blocks,
-                out.stride(0), out.stride(1), out.stride(3),
-                H=heads, DV=dv, DV_PAD=dv_pad, SPLIT_BLOCK=_SPLIT_BLOCK,
-                INTERP_BLOCKS=split_blocks if INTERPRETER else 0,
-                num_warps=_NUM_WARPS,
-            )  # fmt: skip
+            combine(ws_acc, ws_ml, out, (out.stride(0), out.stride(1), out.stride(3)), batch, heads, dv, splits)
 
     launch_on_device(q, _launch)

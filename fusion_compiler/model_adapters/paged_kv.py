@@ -140,6 +140,44 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots,
 @torch.library.custom_op("fusion_compiler_ref::paged_decode_attention", mutates_args=())
 def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
                             v_scale: float, context_slots: torch.Tensor, context_valid: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """On CUDA: the split-KV flash-decoding kernel (``kernels/paged_decode_attention.py``) reads
+    each valid position's K/V row straight from the cache through ``context_slots`` (no gathered
+    copy; FP8 rows fed to the MMAs exactly, the scales applied to the fp32 scores and
+    accumulator). Elsewhere (CPU), and on CUDA where the kernel does not apply (see
+    ``_kernel_or_none``), ``_gathered_attention``."""
+    out = _kernel_or_none(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid)
+    if out is not None:
+        return out
+    return _gathered_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid)
+
+
+def _kernel_or_none(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid):
+    """The kernel's result, or None where the gathered path must run. The kernel computes the
+    same attention (the reference's, in fp32 accumulation), so falling back never changes
+    semantics; it is done only for these reasons:
+      - not every tensor on CUDA (CPU runs the gather + SDPA; the kernel is GPU code);
+      - triton not importable (a non-Linux install);
+      - arguments the kernel was not built for (``paged_decode_attention.unsupported``): q not
+        fp16 / bf16 / fp32, a cache neither q's dtype nor FP8 e4m3 (e.g. bf16 caches under an
+        fp32 q: the gathered path computes those in fp32), head dims above 256 (its tiles were
+        sized up to Qwen3.5's 256), an empty context, malformed shapes (the gathered path then
+        raises its own error).
+    One difference that is not a fallback: a token with no valid position at all (a CUDA-graph
+    bucket's padding row, seq_len 0) gets NaN from the kernel, as from the reference, where
+    torch's SDPA (the gathered path) returns 0; such rows are never read back (cudagraph.py)."""
+    tensors = (q, k_cache, v_cache, context_slots, context_valid)
+    if not all(t.is_cuda for t in tensors):
+        return None
+    try:
+        from ..kernels import paged_decode_attention as kernel
+    except ImportError:
+        return None
+    if kernel.unsupported(q, k_cache, v_cache, context_slots, context_valid) is not None:
+        return None
+    return kernel.paged_decode_attention_fwd(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid)
+
+
+def _gathered_attention(q, k_cache, v_cache, k_scale, v_scale, context_slots, context_valid):
     """Each sequence's K/V rows gathered once (no copy per query head: a GQA group's G query
     heads are G queries of one SDPA call over their kv head), FP8 rows dequantised to fp32,
     bf16 / fp16 rows kept as they are (exact), then ``scaled_dot_product_attention`` with the

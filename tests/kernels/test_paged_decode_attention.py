@@ -1,0 +1,160 @@
+"""The paged decode attention kernel (kernels/paged_decode_attention.py) against
+``paged_kv.paged_decode_attention_reference`` (fp32, every kv head repeated to its query heads).
+
+CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py), so shapes are small: heads / kv heads
+12 / 2, 16 / 1 and 32 / 2 (G 6, 16, 16), tiny D 64 / 128 and 96 (not a power of two), caches
+in bf16 and FP8 e4m3 with scales, sequences' blocks shuffled over the cache (``random_block_table``)
+and each token's context padded to its block table (``padded_context_of``), contexts that are
+not multiples of BLOCK_S, holes (context_valid False mid-context) and per-token lengths, one
+split (direct write) and several (workspace + combine). Outputs start as NaN with a NaN guard
+slab on each side: every element is written, nothing outside. q is bf16, so the MMAs take bf16
+operands and p is rounded to bf16 for P @ V: ~1e-2 relative error against the fp32 reference.
+
+GPU tier (``-m gpu``): MiniMax-M2.5's real attention shape (48 / 8 / 128, context 4096, block
+size 16) at T 1 and 64, bf16 and FP8, through the op itself (its CUDA path is the kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_fixtures import DEVICE, HAS_CUDA, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
+
+skip_unless_kernels_can_run()
+
+from fusion_compiler.kernels import paged_decode_attention as K  # noqa: E402
+from fusion_compiler.model_adapters import paged_kv  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
+
+FP8 = paged_kv.FP8
+TOLERANCE = 1e-2
+
+
+def _inputs(tokens, heads, kv_heads, d, context, cache_dtype, seed, block_size=4, holes=False, dv=None):
+    """q [T, heads, D] bf16, K/V caches (random everywhere: stale slots would show), the
+    padded context of each token (lengths context + 1 for token 0, shorter for the others),
+    scales (1 for bf16: the op takes the scales for FP8 caches only, as vLLM)."""
+    gen = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    num_blocks, table = paged_kv.random_block_table(tokens, context, block_size, gen)
+    seq_lens = table["seq_lens"] - torch.randint(0, max(1, context // 2), (tokens,), generator=gen)
+    seq_lens[0] = context + 1
+    slots, valid = paged_kv.padded_context_of(table["block_table"], seq_lens, block_size)
+    if holes:  # positions masked in the middle of a context as well as past its end
+        valid &= torch.rand(valid.shape, generator=gen) < 0.8
+        valid[:, 0] = True
+    fp8 = cache_dtype == FP8
+    k_scale, v_scale = (0.37, 0.011) if fp8 else (1.0, 1.0)
+
+    def cache(width, scale):
+        values = torch.randn(num_blocks, block_size, kv_heads, width, generator=gen) * (3.0 if fp8 else 1.0)
+        return values.to(cache_dtype).to(DEVICE), scale
+
+    (k_cache, k_scale), (v_cache, v_scale) = cache(d, k_scale), cache(dv, v_scale)
+    q = torch.randn(tokens, heads, d, generator=gen).bfloat16().to(DEVICE)
+    return q, k_cache, v_cache, k_scale, v_scale, slots.to(DEVICE), valid.to(DEVICE)
+
+
+def _check(args, splits=None, block_s=None):
+    q, k_cache, v_cache = args[:3]
+    ref = paged_kv.paged_decode_attention_reference(*args, k_cache.shape[2])
+    buf, out = poisoned(tuple(ref.shape), torch.float32)
+    K.paged_decode_attention_fwd(*args, out=out, splits=splits, block_s=block_s)
+    assert_guards_untouched(buf)
+    assert not bool(torch.isnan(out).any()), "an output element was not written"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE, f"relative error {err:.3g} (splits={splits}, block_s={block_s})"
+    return out
+
+
+# (tokens, heads, kv_heads, d, context, cache dtype, splits, block_s, holes): contexts 37..70 in
+# tiles of 16 / 64 (never a multiple), G 6 / 16 / 16.
+CASES = [
+    (3, 12, 2, 64, 45, torch.bfloat16, 1, 16, False),
+    (3, 12, 2, 64, 45, FP8, 3, 16, True),
+    (2, 16, 1, 128, 70, torch.bfloat16, None, 16, True),
+    (2, 16, 1, 128, 70, FP8, 1, None, False),
+    (1, 32, 2, 96, 37, torch.bfloat16, 2, 16, True),
+    (2, 32, 2, 96, 50, FP8, None, None, True),
+]
+
+
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, d, context, cache_dtype, splits, block_s, holes",
+    CASES,
+    ids=[f"{c[1]}x{c[2]}-d{c[3]}-ctx{c[4]}-{str(c[5]).split('.')[1]}-splits{c[6]}" for c in CASES],
+)
+def test_kernel_matches_reference(tokens, heads, kv_heads, d, context, cache_dtype, splits, block_s, holes):
+    args = _inputs(tokens, heads, kv_heads, d, context, cache_dtype, seed=context + d, holes=holes)
+    _check(args, splits, block_s)
+
+
+def test_mha_and_separate_value_width():
+    """G = 1 (one query head per kv head) and Dv != D; block size 16 as the references use."""
+    args = _inputs(2, 3, 3, 64, 40, torch.bfloat16, seed=5, block_size=16, dv=32)
+    _check(args, splits=2, block_s=16)
+
+
+def test_split_counts_agree():
+    """One split, a short last split and one split per tile give the same attention."""
+    args = _inputs(2, 12, 2, 64, 70, FP8, seed=7, holes=True)
+    outs = [_check(args, splits, 16) for splits in (1, 3, 5)]
+    for other in outs[1:]:
+        assert relative_error(other, outs[0]) < 2e-3  # p rounds to bf16 against each split's own max
+
+
+def test_negative_slots_are_never_read_at_padded_positions():
+    """vLLM pads with slot -1: masked positions with slot -1 (or a slot past the cache) take no
+    weight and load nothing."""
+    args = _inputs(3, 12, 2, 64, 30, torch.bfloat16, seed=11, holes=True)
+    slots, valid = args[5:]
+    bad = torch.where(torch.rand(slots.shape) < 0.5, -1, 10**9).to(slots)
+    ref = paged_kv.paged_decode_attention_reference(*args, 2)
+    out = K.paged_decode_attention_fwd(*args[:5], torch.where(valid, slots, bad), valid, splits=2, block_s=16)
+    assert relative_error(out, ref) < TOLERANCE
+
+
+def test_fp8_nan_codes_propagate():
+    """An FP8 NaN (0x7F) in a K row a token reads makes that token's output NaN, as in the
+    fp32-dequant reference (the interpreter would decode it as 480)."""
+    q, k_cache, v_cache, k_scale, v_scale, slots, valid = _inputs(2, 12, 2, 64, 20, FP8, seed=13)
+    k_cache.view(-1, 2, 64).view(torch.uint8)[slots[0, 3], 1, 5] = 0x7F
+    out = K.paged_decode_attention_fwd(q, k_cache, v_cache, k_scale, v_scale, slots, valid)
+    ref = paged_kv.paged_decode_attention_reference(q, k_cache, v_cache, k_scale, v_scale, slots, valid, 2)
+    assert bool(torch.isnan(out[0, 6:]).all()) and bool(torch.isnan(ref[0, 6:]).all())
+    assert not bool(torch.isnan(out[1]).any())
+
+
+def test_unsupported_arguments_are_named():
+    q, k_cache, v_cache, _, _, slots, valid = _inputs(1, 12, 2, 64, 10, torch.bfloat16, seed=1)
+    assert K.unsupported(q, k_cache, v_cache, slots, valid) is None
+    assert K.unsupported(q, k_cache, v_cache.float(), slots, valid) is not None  # neither q's dtype nor FP8
+    assert K.unsupported(q.float(), k_cache, v_cache, slots, valid) is not None
+    assert K.unsupported(q, k_cache, v_cache, slots[:, :0], valid[:, :0]) is not None
+    with pytest.raises(ValueError, match="q must be"):
+        K.paged_decode_attention_fwd(q.half(), k_cache, v_cache, 1.0, 1.0, slots, valid)
+
+
+def test_op_cpu_path_still_gathers():
+    """The op on CPU tensors keeps the gather + SDPA path (the kernel path is for CUDA)."""
+    args = _inputs(2, 12, 2, 64, 30, FP8, seed=3, holes=True)
+    out = paged_kv.paged_decode_attention(*args, 2)
+    assert out.dtype == torch.float32 and out.shape == (2, 12, 64)
+    assert relative_error(out, paged_kv.paged_decode_attention_reference(*args, 2)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_minimax_shape_on_cuda(tokens, cache_dtype):
+    """MiniMax-M2.5's attention (48 query heads over 8 kv heads, D 128), context 4096 in blocks
+    of 16, through the op (whose CUDA path is the kernel) and the kernel with forced splits."""
+    args = _inputs(tokens, 48, 8, 128, 4096, cache_dtype, seed=tokens, block_size=16, holes=True)
+    out = torch.ops.fusion_compiler_ref.paged_decode_attention(*args)
+    ref = paged_kv.paged_decode_attention_reference(*args, 8)
+    assert out.dtype == torch.float32 and out.shape == (tokens, 48, 128)
+    assert relative_error(out, ref) < TOLERANCE
+    for splits in (1, 7):
+        _check(args, splits=splits)
