@@ -44,6 +44,12 @@ def graph_time_us(fn: Callable[[int], object], rotations: int, calls_per_graph: 
             fn(i % rotations)
     for _ in range(5):
         graph.replay()
+    return replay_median_us(graph, calls_per_graph, replays)
+
+
+def replay_median_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int, replays: int) -> float:
+    """Median µs per call of a captured graph holding ``calls_per_graph`` calls (CUDA events
+    around each of ``replays`` replays)."""
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):

@@ -19,9 +19,16 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
           _SELECT / _TAIL_LOADS knobs and a launch shape) at 1, 2 and 16 tokens, Qwen3.5 with its
           shared-expert gate column: each variant's ids and weights checked against the routing of
           its own logits (and its gate against sigmoid of them) before it is timed; plus the
-          L2-resident router-weight copy floor in the same run (not in the default parts):
+          L2-resident router-weight copy floor in the same run (not in the default parts);
+  gemm    the one launch's GEMM-phase alternatives (``GEMM_VARIANTS``: the _BLOCK_K / _BLOCK_E /
+          _GEMV / _UNROLL / _W_HINTS / _GEMM_WARPS / _GEMM_STAGES / _TARGET_PROGRAMS / _MAX_SPLIT
+          knobs) at 1, 2 and 16 tokens, each checked like ``ab``'s, then timed warm (CUDA-graph
+          replays, the weight L2-resident) and cold (a graph of [L2 flush, op] pairs minus a graph
+          of the flushes alone), beside the router-weight copy timed both ways in the same run;
+          ratios to both floors, a summary table on stdout (not in the default parts):
 
     python bench/moe_router_check.py --parts ab --out bench/results/moe_router_ab_h200.json
+    python bench/moe_router_check.py --parts gemm --out bench/results/moe_router_gemm_h200.json
 
     python bench/moe_router_check.py --out bench/results/moe_router_check_h200.json
 """
@@ -62,6 +69,34 @@ AB_VARIANTS = {
     "by_shape_256prog": {"_TARGET_PROGRAMS": 256, "_MAX_SPLIT": 16},
 }
 AB_GATE = {"qwen3.5"}  # routers timed with the shared-expert gate column, as the model runs them
+# name: kernels/moe_route.py GEMM-phase knobs (module comment above gemm_launch_config).  Shapes at
+# 1 token, DeepSeek / MiniMax / Qwen3.5 (+ gate column), as (BLOCK_K x K_STEPS, programs):
+# shipped 64x14 128, 64x6 128, 64x22 99; span 512x1 224, 256x1 192, 1024x1 132; span_prog64
+# 1024x1 112, 512x1 96, 1024x1 132; span_prog256 256x1 448, 128x1 384, 512x1 264.  The GEMV
+# variants are GEMVs at 1 token only (above, their tl.dot base shape).
+# moe_route-13's shape: 64-column steps, a 16-row tl.dot also at one token, no load hints.
+_ROUTE13 = {"_BLOCK_K": 64, "_GEMV": False, "_W_HINTS": ("", "")}
+GEMM_VARIANTS = {
+    "shipped": {},
+    "route13": _ROUTE13,
+    "gemv_span_no_hint": {"_W_HINTS": ("", "")},
+    "span_evict_last_no_gemv": {"_GEMV": False},
+    # Session 12's first A/B (moe_route-13 shipped; results/moe_router_gemm_h200_session12.json):
+    "prog256": {**_ROUTE13, "_TARGET_PROGRAMS": 256, "_MAX_SPLIT": 16},
+    "prog512": {**_ROUTE13, "_TARGET_PROGRAMS": 512, "_MAX_SPLIT": 32},
+    "bk128_st4": {**_ROUTE13, "_BLOCK_K": 128, "_GEMM_STAGES": 4},  # 4 KB a step, fetched 3 steps ahead
+    "unroll": {**_ROUTE13, "_UNROLL": True},
+    "span": {**_ROUTE13, "_BLOCK_K": 0},  # one tile per program: all its weight bytes in flight at once
+    "span_prog64": {**_ROUTE13, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 64},
+    "span_prog256": {**_ROUTE13, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 256},
+    "span_w8": {**_ROUTE13, "_BLOCK_K": 0, "_GEMM_WARPS": 8},
+    "span_evict_last": {**_ROUTE13, "_BLOCK_K": 0, "_W_HINTS": ("", "evict_last")},
+    "gemv_unroll": {**_ROUTE13, "_GEMV": True, "_UNROLL": True},
+    "gemv_span": {**_ROUTE13, "_GEMV": True, "_BLOCK_K": 0},
+    "gemv_span_prog256": {**_ROUTE13, "_GEMV": True, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 256},
+}
+GEMM_TOKENS = (1, 2, 16)
+FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
 
 
 def make_args(name: str, tokens: int, seed: int = 0):
@@ -108,6 +143,89 @@ def ab_check(args, gate_weight, out) -> dict:
         ref_gate = torch.sigmoid(torch.nn.functional.linear(args[0], gate_weight).float())
         entry["gate_max_abs_err"] = (gate.float() - ref_gate).abs().max().item()
     return entry
+
+
+def cold_time_us(fn, flush, calls_per_graph: int = 10, replays: int = 30) -> float:
+    """Median µs per [flush(), fn()] pair, timed as CUDA-graph replays (the L2 flushed before
+    every call; fn(0) warmed up, e.g. compiled, outside the graph)."""
+    for _ in range(2):
+        fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            flush()
+            fn(0)
+    graph.replay()
+    return common.replay_median_us(graph, calls_per_graph, replays)
+
+
+def make_flush():
+    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    return lambda: scratch.fill_(1)  # a write kernel: every line it touches is allocated in L2
+
+
+def floors(name: str, flush=None) -> dict:
+    """The router-weight copy floor: L2-resident (graph replays of the copy alone) and, with
+    ``flush``, cold (graph of [flush, copy] minus graph of [flush, nothing])."""
+    src = make_args(name, 1)[1]
+    dst = torch.empty_like(src)
+    out = {"bytes": src.numel() * src.element_size(),
+           "copy_warm_us": common.graph_time_us(lambda i: dst.copy_(src), 1)}
+    if flush is not None:
+        out["flush_us"] = cold_time_us(lambda i: None, flush)
+        out["flush_plus_copy_us"] = cold_time_us(lambda i: dst.copy_(src), flush)
+        out["copy_cold_us"] = out["flush_plus_copy_us"] - out["flush_us"]
+    return out
+
+
+def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None = None, flush=None) -> list:
+    """Each variant (module knobs) of the one launch at each token count: checked (``ab_check``)
+    then timed warm; with ``flush`` also cold (minus ``floor['flush_us']``); with ``floor`` the
+    ratios to the copy floors."""
+    rows = []
+    for t in tokens:
+        a = make_args(name, t)
+        gen = torch.Generator(device="cuda").manual_seed(t + 1)
+        gate_w = (torch.randn(1, a[0].shape[1], device="cuda", generator=gen) * a[0].shape[1] ** -0.5).bfloat16() \
+            if name in AB_GATE else None
+        for label, settings in variants.items():
+            entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
+            try:
+                with knobs(settings):
+                    entry["launch"] = K.gemm_launch_config(t, a[1].shape[0] + (gate_w is not None), a[0].shape[1])
+                    entry.update(ab_check(a, gate_w, _fused(a, gate_w)))
+                    entry["us"] = common.graph_time_us(lambda i: _fused(a, gate_w), 1)
+                    if flush is not None:
+                        entry["flush_plus_op_us"] = cold_time_us(lambda i: _fused(a, gate_w), flush)
+                        entry["cold_us"] = entry["flush_plus_op_us"] - floor["flush_us"]
+                if floor is not None:
+                    entry["ratio_warm"] = entry["us"] / floor["copy_warm_us"]
+                    if "cold_us" in entry:
+                        entry["ratio_cold"] = entry["cold_us"] / floor["copy_cold_us"]
+            except Exception as e:  # noqa: BLE001 - record and go on
+                entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(entry)
+            print(name, entry, flush=True)
+    return rows
+
+
+def print_gemm_table(result: dict) -> None:
+    print("\nGEMM-phase variants (µs; warm: L2-resident graph replay; cold: after a 256 MB L2 flush, minus the flush)")
+    for name, row in result["models"].items():
+        f = row.get("gemm_floor")
+        if not f:
+            continue
+        print(f"\n{name}: weight {f['bytes'] / 2**20:.2f} MiB, copy warm {f['copy_warm_us']:.2f}, "
+              f"copy cold {f['copy_cold_us']:.2f} (flush {f['flush_us']:.1f})")
+        print(f"  {'variant':20s} {'T':>3s} {'ok':>3s} {'warm':>6s} {'x warm':>6s} {'cold':>6s} {'x cold':>6s}  launch")
+        for e in row["gemm"]:
+            if "error" in e:
+                print(f"  {e['variant']:20s} {e['tokens']:3d}  ERROR {e['error'][:80]}")
+                continue
+            ok = "yes" if e["tokens_ids_equal"] == e["tokens"] else "NO"
+            print(f"  {e['variant']:20s} {e['tokens']:3d} {ok:>3s} {e['us']:6.2f} {e['ratio_warm']:6.2f} "
+                  f"{e['cold_us']:6.2f} {e['ratio_cold']:6.2f}  {e['launch']}")
 
 
 def _cublas_logits(hidden, router_weight, logits_dtype):
@@ -159,6 +277,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="check,split,shape,cublas,warps")
+    parser.add_argument("--gemm-variants", nargs="*", default=list(GEMM_VARIANTS), choices=list(GEMM_VARIANTS),
+                        help="the gemm part's variants")
+    parser.add_argument("--gemm-tokens", nargs="*", type=int, default=list(GEMM_TOKENS))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     result = {"facts": common.device_facts(), "kernel_version": K.KERNEL_VERSION, "models": {}}
@@ -201,22 +322,7 @@ def main():
                 shapes.append({"tokens": t, "target_programs": target, "max_split": cap, "us": us})
                 print(name, shapes[-1], flush=True)
         row["shapes"] = shapes
-        ab = []
-        for t in AB_TOKENS if "ab" in parts else ():
-            a = make_args(name, t)
-            gen = torch.Generator(device="cuda").manual_seed(t + 1)
-            gate_w = (torch.randn(1, a[0].shape[1], device="cuda", generator=gen) * a[0].shape[1] ** -0.5).bfloat16() \
-                if name in AB_GATE else None
-            for label, settings in AB_VARIANTS.items():
-                entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
-                try:
-                    with knobs(settings):
-                        entry.update(ab_check(a, gate_w, _fused(a, gate_w)))
-                        entry["us"] = common.graph_time_us(lambda i: _fused(a, gate_w), 1)
-                except Exception as e:  # noqa: BLE001 - record and go on
-                    entry["error"] = f"{type(e).__name__}: {e}"[:300]
-                ab.append(entry)
-                print(name, entry, flush=True)
+        ab = router_variants(name, AB_TOKENS, AB_VARIANTS) if "ab" in parts else []
         row["ab"] = ab
         cublas = []
         for t in (32, 64, 128, 256) if "cublas" in parts else ():
@@ -247,11 +353,20 @@ def main():
             warps.append({"tokens": 64, "num_warps": nw, "us": us})
             print(name, warps[-1], flush=True)
         row["route_warps"] = warps
+        if "gemm" in parts:
+            flush = make_flush()
+            row["gemm_floor"] = floors(name, flush)
+            print(name, "gemm floor", row["gemm_floor"], flush=True)
+            variants = {v: GEMM_VARIANTS[v] for v in args.gemm_variants}
+            row["gemm"] = router_variants(name, tuple(args.gemm_tokens), variants, row["gemm_floor"], flush)
+            del flush
         floor = torch.empty_like(make_args(name, 1)[1])
         src = make_args(name, 1)[1]
         row["floor_copy_router_weight_us"] = common.graph_time_us(lambda i: floor.copy_(src), 1)
         print(name, "floor", row["floor_copy_router_weight_us"], flush=True)
     common.write_json(args.out, result)
+    if "gemm" in parts:
+        print_gemm_table(result)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ tl.topk's bitonic network, and without a bias the picked scores read off their k
 registers (a bias makes the key's score the biased one, so there they are reloaded).
 
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
-GEMM (``_router_gemm_kernel``: tl.dot tiles, the hidden dim split so ~128 programs stream the
-router weight, fp32 partial sums) and the routing kernel, which sums them; or, up to
+GEMM (``_router_gemm_kernel``: the hidden dim split so ~128 programs stream the router weight,
+each its span in one tile: tl.dot, or at one token fp32 multiply-adds; fp32 partial sums) and the routing kernel, which sums them; or, up to
 ``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last T programs to finish sum them and route
 one token each.
 Qwen3.5's shared-expert gate ``sigmoid(hidden . gate_weight)`` rides along as GEMM column E.
@@ -64,7 +64,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-13"
+KERNEL_VERSION = "moe_route-14"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -325,6 +325,36 @@ def _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
         tl.store(GATE + rows * stride_g, _downcast(gate, GATE_DTYPE), mask=in_range)
 
 
+@triton.jit
+def _gemm_step(acc, kb, HIDDEN, ROUTER_W, GATE_W, t, ex, T, H, E, stride_ht, stride_we,
+               BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, HAS_GATE: tl.constexpr, GEMV: tl.constexpr,
+               W_CACHE: tl.constexpr, W_EVICT: tl.constexpr):
+    """acc plus hidden[t] . router_weight[ex]^T over hidden block ``kb`` (BLOCK_K wide).
+
+    tl.dot: acc [BLOCK_T, BLOCK_E] (fp32 accumulate; IEEE fp32 for FP32_DOT).  GEMV (one token,
+    BLOCK_T == 1): acc [BLOCK_K, BLOCK_E] += x[k] * w[k, e] in fp32, lane by lane (the caller sums
+    over K once at the end): no 16-row token padding, no operand shuffle through shared memory."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    if GEMV:  # x as [BLOCK_K, 1]
+        x = tl.load(HIDDEN + t[None, :].to(tl.int64) * stride_ht + k[:, None],
+                    mask=(t[None, :] < T) & (k[:, None] < H), other=0.0)
+    else:
+        x = tl.load(HIDDEN + t[:, None].to(tl.int64) * stride_ht + k[None, :],
+                    mask=(t[:, None] < T) & (k[None, :] < H), other=0.0)
+    w_ptrs = ROUTER_W + ex[None, :].to(tl.int64) * stride_we + k[:, None]  # [BLOCK_K, BLOCK_E]
+    if HAS_GATE:  # column E reads the gate's weight row
+        w_ptrs = tl.where(ex[None, :] < E, w_ptrs, GATE_W + k[:, None])
+    w = tl.load(w_ptrs, mask=(ex[None, :] < E + HAS_GATE) & (k[:, None] < H), other=0.0,
+                cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+    if GEMV:
+        acc += _upcast(x) * _upcast(w)
+    elif FP32_DOT or INTERPRETER_BIT_CASTS:  # the interpreter's bf16 dot multiplies raw bits
+        acc = tl.dot(_upcast(x), _upcast(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _router_gemm_kernel(
     HIDDEN, ROUTER_W, GATE_W, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, COUNTERS,
@@ -342,6 +372,10 @@ def _router_gemm_kernel(
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr,
+    GEMV: tl.constexpr = False,  # BLOCK_T == 1: fp32 multiply-adds, no tl.dot (_gemm_step)
+    UNROLL: tl.constexpr = False,  # the K_STEPS loop unrolled (static_range) instead of a loop
+    W_CACHE: tl.constexpr = "",  # the router weight loads' cache modifier ("", ".cg", ".ca")
+    W_EVICT: tl.constexpr = "",  # ... and eviction policy ("", "evict_last", "evict_first")
 ):
     """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
     router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
@@ -360,19 +394,20 @@ def _router_gemm_kernel(
     pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ex = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for step in range(K_STEPS):
-        k = (pid_s * K_STEPS + step) * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(HIDDEN + t[:, None].to(tl.int64) * stride_ht + k[None, :],
-                    mask=(t[:, None] < T) & (k[None, :] < H), other=0.0)
-        w_ptrs = ROUTER_W + ex[None, :].to(tl.int64) * stride_we + k[:, None]
-        if HAS_GATE:  # column E reads the gate's weight row
-            w_ptrs = tl.where(ex[None, :] < E, w_ptrs, GATE_W + k[:, None])
-        w = tl.load(w_ptrs, mask=(ex[None, :] < E + HAS_GATE) & (k[:, None] < H), other=0.0)
-        if FP32_DOT or INTERPRETER_BIT_CASTS:  # the interpreter's bf16 dot multiplies raw bits
-            acc = tl.dot(_upcast(x), _upcast(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+    if GEMV:  # per-lane products, summed over K once after the loop
+        acc = tl.zeros([BLOCK_K, BLOCK_E], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if UNROLL:
+        for step in tl.static_range(K_STEPS):
+            acc = _gemm_step(acc, pid_s * K_STEPS + step, HIDDEN, ROUTER_W, GATE_W, t, ex, T, H, E, stride_ht,
+                             stride_we, BLOCK_K, FP32_DOT, HAS_GATE, GEMV, W_CACHE, W_EVICT)
+    else:
+        for step in range(K_STEPS):
+            acc = _gemm_step(acc, pid_s * K_STEPS + step, HIDDEN, ROUTER_W, GATE_W, t, ex, T, H, E, stride_ht,
+                             stride_we, BLOCK_K, FP32_DOT, HAS_GATE, GEMV, W_CACHE, W_EVICT)
+    if GEMV:
+        acc = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_E]
     tl.store(PARTIALS + pid_s * stride_ps + t[:, None].to(tl.int64) * stride_pt + ex[None, :], acc,
              mask=(t[:, None] < T) & (ex[None, :] < E + HAS_GATE))
 
@@ -433,21 +468,78 @@ FUSED_GEMM_MAX_TOKENS = 16
 _TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the router weight
 _MAX_SPLIT = 8
 
+# GEMM-phase A/B knobs of the <= 16-token launch (bench/moe_router_check.py --parts gemm; None:
+# the shipped shape, ``SHIPPED_GEMM``).  The weight streams from ~128 programs with 2-4 KB loads per step, far
+# below the ~32 KB per SM in flight that HBM / L2 bandwidth x latency asks for; these change how
+# many bytes each program has in flight and how many programs there are (with _TARGET_PROGRAMS /
+# _MAX_SPLIT).  Tokens > 16 (two launches) always take the shipped shape.
+#   _BLOCK_K      hidden columns per step (power of two >= 16); 0: one step per program, its whole
+#                 split in one tile, so all its loads issue at once (the span ~hidden * tiles /
+#                 _TARGET_PROGRAMS rounded down to a power of two, at most _MAX_SPAN: about 1x-2x
+#                 _TARGET_PROGRAMS programs; _MAX_SPLIT ignored)
+#   _BLOCK_E      router-weight rows (experts) per program (power of two >= 16)
+#   _GEMM_WARPS   num_warps of the launch (the routing tail runs in these warps too)
+#   _GEMM_STAGES  num_stages of the launch (software pipelining of the K loop: sm_90 ptxas output of
+#                 the shipped shape has its tiles fetched by cp.async num_stages - 1 steps ahead)
+#   _UNROLL       the K loop unrolled (tl.static_range): the steps' loads may issue up front (no
+#                 barrier between the GEMV body's steps; tl.dot's operand shuffle puts a bar.sync
+#                 between steps, which the loads do not cross)
+#   _GEMV         at one token, BLOCK_T = 1 and fp32 multiply-adds instead of a 16-row tl.dot
+#   _W_HINTS      (cache_modifier, eviction_policy) of the router-weight loads, e.g. ("", "evict_last");
+#                 not ".cg" with a policy (ptxas: ".evict_last cannot be combined with .cg")
+# The shipped shape (moe_route-14), from the session-12 A/B (H200, one token, µs with the router
+# weight cold, i.e. read from HBM as in a real step, against the same copy cold; DeepSeek / MiniMax /
+# Qwen3.5): moe_route-13's 64-column steps 10.62 / 6.95 / 13.91 (2.73 / 2.67 / 3.53x the copy);
+# one span per program with evict_last 7.37 / 5.17 / 8.96; the GEMV body at one token over spans
+# 7.55 / 5.24 / 7.06 (1.94 / 2.01 / 1.79x). Warm (L2-resident) within +-0.5 µs of -13 throughout.
+# At 2-16 tokens span + evict_last was the fastest cold (16 tokens: 8.69 / 6.68 / 9.26 against
+# 11.28 / 7.63 / 14.80).
+SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"))
+_BLOCK_K: int | None = None
+_BLOCK_E: int | None = None
+_GEMM_WARPS: int | None = None
+_GEMM_STAGES: int | None = None
+_UNROLL: bool | None = None
+_GEMV: bool | None = None
+_W_HINTS: tuple[str, str] | None = None
+_MIN_BLOCK_K = 16  # tl.dot's smallest K
+_MAX_SPAN = 1024  # a [16, 1024] bf16 operand pair is 64 KB of shared memory for tl.dot's shuffle
+
 
 def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, SPLIT, num_warps) of the router GEMM launch.
 
-    tl.dot needs tiles of at least 16, so a decode step pads its tokens to 16 (a GEMV at one
-    token measured slower for DeepSeek's and Qwen's widths, bench/NOTES.md); the hidden dim is
-    split until there are about _TARGET_PROGRAMS programs, each reading its weight tile once."""
-    block_t = 16 if tokens <= 16 else (32 if tokens <= 32 else 64)
-    block_e, block_k = 16, 64
+    Up to 16 tokens (``SHIPPED_GEMM``): each program reads one span of the hidden dim in one
+    tile, so all its weight loads are in flight at once; at one token the GEMV body (BLOCK_T 1:
+    fp32 multiply-adds, no 16-row padding for tl.dot), else tokens padded to tl.dot's 16. Above
+    16 tokens, 64-column steps with the hidden dim split until there are about _TARGET_PROGRAMS
+    programs, each reading its weight tile once."""
+    small = tokens <= 16  # the one-launch regime the A/B knobs shape
+    gemv = small and tokens == 1 and (SHIPPED_GEMM["gemv"] if _GEMV is None else bool(_GEMV))
+    block_t = 1 if gemv else (16 if tokens <= 16 else (32 if tokens <= 32 else 64))
+    block_e = _BLOCK_E if small and _BLOCK_E is not None else 16
+    block_k = (SHIPPED_GEMM["block_k"] if _BLOCK_K is None else _BLOCK_K) if small else 64
+    num_warps = _GEMM_WARPS if small and _GEMM_WARPS is not None else 4
     tiles = triton.cdiv(tokens, block_t) * triton.cdiv(experts, block_e)
+    if block_k == 0:  # one step per program: the split's whole span in one tile
+        span = triton.cdiv(hidden, max(1, _TARGET_PROGRAMS // tiles))
+        block_k = min(_MAX_SPAN, max(_MIN_BLOCK_K, triton.next_power_of_2(span + 1) // 2))  # rounded down
+        return block_t, block_e, block_k, 1, triton.cdiv(hidden, block_k), num_warps
     k_blocks = triton.cdiv(hidden, block_k)
     split = max(1, min(_MAX_SPLIT, k_blocks, _TARGET_PROGRAMS // tiles))
     k_steps = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, k_steps)  # no empty splits
-    return block_t, block_e, block_k, k_steps, split, 4
+    return block_t, block_e, block_k, k_steps, split, num_warps
+
+
+def gemm_variant_meta(block_t: int) -> tuple[dict, dict]:
+    """(the GEMM body's constexprs, extra launch options) from the A/B knobs for a launch whose
+    BLOCK_T is ``block_t`` (1: the GEMV body)."""
+    small = block_t <= 16
+    cache, evict = (SHIPPED_GEMM["w_hints"] if _W_HINTS is None else _W_HINTS) if small else ("", "")
+    meta = dict(GEMV=block_t == 1, UNROLL=bool(small and _UNROLL), W_CACHE=cache, W_EVICT=evict)
+    options = {"num_stages": _GEMM_STAGES} if small and _GEMM_STAGES is not None else {}
+    return meta, options
 
 
 def _routing_meta(named: dict, experts: int) -> tuple[dict, int]:
@@ -606,6 +698,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     stride_b = bias.stride(0) if bias is not None else 0
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
+    gemm_meta, gemm_options = gemm_variant_meta(block_t)
 
     def _launch():
         _router_gemm_kernel[grid](
@@ -617,7 +710,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
             float(named["renorm_eps"]), float(named["scale"]),
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
             FP32_DOT=fp32_dot, ROUTE=fused,
-            HAS_GATE=has_gate, num_warps=num_warps, **meta,
+            HAS_GATE=has_gate, num_warps=num_warps, **meta, **gemm_meta, **gemm_options,
         )
         if not fused:
             _moe_route_kernel[(tokens,)](

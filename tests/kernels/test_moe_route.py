@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-13"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-14"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -476,3 +476,68 @@ def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads):
     # every score ties: experts and groups to the lowest indices (routing kernel alone)
     logits = torch.zeros(1, 64, device=DEVICE)
     assert_matches_reference((logits, None, 8, 4, 2, 0, True, 0.0, 1.0, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM-phase alternatives of the one launch (kernels/moe_route.py _BLOCK_K / _BLOCK_E / _GEMV /
+# _UNROLL / _W_HINTS / _GEMM_WARPS / _GEMM_STAGES and _TARGET_PROGRAMS / _MAX_SPLIT, timed by
+# bench/moe_router_check.py --parts gemm): each setting against the reference (exact inputs, so
+# bit-equal logits whatever the split or the summation order).
+# ---------------------------------------------------------------------------------------------
+
+GEMM_VARIANTS = {
+    # many programs: 19 splits of 16 columns (300 = 19 x 16 - 4), more partials in the tail
+    "programs_512": {"_TARGET_PROGRAMS": 512, "_MAX_SPLIT": 32},
+    # wide tiles, 3 steps per split, the loop unrolled, weight-load hints, launch options
+    # (.cg with an eviction policy is not PTX: ptxas rejects ".evict_last cannot be combined with .cg")
+    "wide_unrolled": {"_BLOCK_K": 32, "_BLOCK_E": 32, "_TARGET_PROGRAMS": 8, "_UNROLL": True,
+                      "_W_HINTS": (".cg", ""), "_GEMM_WARPS": 8, "_GEMM_STAGES": 2},
+    # one step per program (span 128: 3 splits, the last partly masked)
+    "span": {"_BLOCK_K": 0, "_TARGET_PROGRAMS": 8},
+    # the GEMV body at one token (the dot above it), 2 steps of 64
+    "gemv": {"_GEMV": True, "_TARGET_PROGRAMS": 12, "_W_HINTS": ("", "evict_first")},
+    "gemv_span": {"_GEMV": True, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 16, "_UNROLL": True},
+}
+GEMM_VARIANT_CASES = [
+    # (tokens, experts, n_group, topk_group, top_k, scoring, bias, duplicate_rows, gate, fp32 operands)
+    (1, 64, 1, 1, 10, 1, False, True, True, False),  # Qwen's routing + the gate column, exact ties
+    (1, 64, 8, 4, 8, 0, True, False, False, True),  # DeepSeek's, fp32 operands (IEEE dot / fp32 GEMV)
+    (3, 48, 4, 2, 7, 0, True, False, False, False),  # several tokens: the tl.dot body for every knob
+]
+
+
+@pytest.mark.parametrize("variant", list(GEMM_VARIANTS))
+def test_router_gemm_variants_match_reference(monkeypatch, variant):
+    for name, value in GEMM_VARIANTS[variant].items():
+        monkeypatch.setattr(K, name, value)
+    for seed, (tokens, experts, n_group, topk_group, top_k, scoring, bias, dup, gate, fp32) in enumerate(GEMM_VARIANT_CASES):
+        c = dict(tokens=tokens, experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, scoring=scoring,
+                 has_bias=bias, renormalize=True, renorm_eps=1e-20, scale=2.5,
+                 logits_dtype=torch.float32 if fp32 else torch.bfloat16, weights_dtype=torch.float32, seed=seed + 20)
+        args = router_args(c, 300, duplicate_rows=dup, gate=gate)
+        if fp32:
+            args = (args[0].float(), args[1].float()) + args[2:]
+        if not dup:
+            assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8]), "near-tie input: change the seed"
+        with fused_up_to(16):
+            assert_router_matches_reference(args)
+
+
+def test_router_gemm_variant_shapes(monkeypatch):
+    """The knobs' launch shapes at the models' widths (DeepSeek 7168 x 256, Qwen 4096 x 513)."""
+    # shipped (moe_route-14): one span per program, the GEMV body at one token, evict_last loads
+    assert K.gemm_launch_config(1, 256, 7168) == (1, 16, 512, 1, 14, 4)  # span 896 -> 512
+    assert K.gemm_launch_config(1, 513, 4096) == (1, 16, 1024, 1, 4, 4)  # span 1366 -> 1024
+    assert K.gemm_launch_config(2, 256, 7168) == (16, 16, 512, 1, 14, 4)  # the GEMV body is one token's
+    assert K.gemm_launch_config(64, 256, 7168)[2:] == (64, 14, 8, 4)  # two launches: 64-column steps
+    assert K.gemm_variant_meta(1)[0]["GEMV"] and not K.gemm_variant_meta(16)[0]["GEMV"]
+    assert K.gemm_variant_meta(16)[0]["W_EVICT"] == "evict_last" and K.gemm_variant_meta(64)[0]["W_EVICT"] == ""
+    # moe_route-13's shape
+    monkeypatch.setattr(K, "_BLOCK_K", 64)
+    monkeypatch.setattr(K, "_GEMV", False)
+    assert K.gemm_launch_config(1, 256, 7168) == (16, 16, 64, 14, 8, 4)
+    monkeypatch.setattr(K, "_BLOCK_K", 256)
+    monkeypatch.setattr(K, "_BLOCK_E", 32)
+    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 256)
+    monkeypatch.setattr(K, "_MAX_SPLIT", 32)
+    assert K.gemm_launch_config(16, 256, 7168) == (16, 32, 256, 1, 28, 4)
