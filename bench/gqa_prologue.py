@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -107,24 +108,25 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
 
 
 def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list) -> dict:
-    """% of HBM by (head-block lanes, warps, grid order): "lanes/warps/order" -> %, order
-    "tokens" (every q program first) or "interleaved" (role fastest)."""
+    """% of HBM by (head-block lanes, warps, grid order, roles): "lanes/warps/order" -> %, order
+    "tokens" (every q program first) or "interleaved" (role fastest); with "/kv1" k's program
+    also caches v (two roles a token, ``_KV_ONE_PROGRAM``)."""
     from fusion_compiler.kernels import gqa_prologue as kernel
 
-    saved = kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES
+    saved = kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM
     out = {}
     try:
         with torch.no_grad():
-            for lanes in lanes_list:
-                for warps in warps_list:
-                    for interleaved in (False, True):
-                        kernel._BLOCK_LANES, kernel._INTERLEAVE_ROLES = lanes, interleaved
-                        kernel.num_warps_for = lambda _lanes, w=warps: w
-                        us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
-                        order = "interleaved" if interleaved else "tokens"
-                        out[f"{lanes}/{warps}/{order}"] = round(100 * size / us / 1e3 / bandwidth, 1)
+            for lanes, warps, interleaved, kv_one in itertools.product(lanes_list, warps_list, (False, True),
+                                                                       (False, True)):  # fmt: skip
+                kernel._BLOCK_LANES, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM = lanes, interleaved, kv_one
+                kernel.num_warps_for = lambda _lanes, w=warps: w
+                us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
+                order = "interleaved" if interleaved else "tokens"
+                key = f"{lanes}/{warps}/{order}" + ("/kv1" if kv_one else "")
+                out[key] = round(100 * size / us / 1e3 / bandwidth, 1)
     finally:
-        kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES = saved
+        kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM = saved
     return out
 
 

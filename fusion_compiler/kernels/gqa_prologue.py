@@ -20,7 +20,8 @@ tokens); -6 keeps whole tiles up to 256 tokens; -7 sizes k's and v's tiles by th
 q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache); -8 takes a
 tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
 instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
-that all-reduce; -9 unrolls the full-width norm's sum over head blocks. This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
+that all-reduce; -9 unrolls the full-width norm's sum over head blocks; -10 walks 2048-lane head
+blocks, and runs a full-width norm's roles interleaved (``interleave_roles``). This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
 importing it to run on CPU tensors.
 """
 
@@ -33,21 +34,31 @@ import triton.language as tl
 from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv, upcast
 
-KERNEL_VERSION = "gqa_prologue-9"
+KERNEL_VERSION = "gqa_prologue-10"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
-# token against 6.3 / 6.9 / 6.3 in blocks; blocks 58 / 64 / 53% of HBM at 4096 tokens against
-# 35 / 40 / 30%.
+# token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
+# tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%.
 WHOLE_TILES_UP_TO = 256
-_BLOCK_LANES = 1024
+_BLOCK_LANES = 2048
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
 # tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
 # conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
-# Interleaved (3 * tokens, role fastest) mixes them. H200 at 4096 tokens (session 11,
-# bench/gqa_prologue.py --sweep-lanes; BENCHMARKS.md): FP8 +0.9 points, MiniMax bf16 +2.6, Qwen3.5
-# bf16 -3.2, so it stays off.
-_INTERLEAVE_ROLES = False
+# Interleaved (3 * tokens, role fastest) mixes them. H200 at 4096 tokens, 2048 lanes (session 12,
+# bench/gqa_prologue.py --sweep-lanes): MiniMax's full-width norm (its q programs read their rows
+# twice) bf16 63.8 -> 68.0%, FP8 58.8 -> 60.1%; Qwen3.5's per-head norm 67.7 -> 64.0% (session 11
+# alike, at 1024 lanes). So ``interleave_roles``: interleaved for a full-width norm in head
+# blocks; ``_INTERLEAVE_ROLES`` (None: by shape) is the sweep's override.
+_INTERLEAVE_ROLES: bool | None = None
+_KV_ONE_PROGRAM = False
+
+
+def interleave_roles(tokens: int, full_width_norm: bool) -> bool:
+    """Whether the grid runs a token's roles side by side (see _INTERLEAVE_ROLES)."""
+    if _INTERLEAVE_ROLES is not None:
+        return _INTERLEAVE_ROLES
+    return bool(full_width_norm) and tokens > WHOLE_TILES_UP_TO
 
 
 def heads_per_block(tokens: int, heads: int, d_pad: int) -> int:
@@ -147,6 +158,20 @@ def _write_cache(CACHE, CACHE_U8, value, h, slot, kv_heads, scale, stride_blk, s
 
 
 @triton.jit
+def _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale, stride_vc_blk,
+                  stride_vc_off, stride_vc_h, HB_KV: tl.constexpr, KV_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, V_FP8: tl.constexpr):
+    """Token t's v rows into the cache at its slot, HB_KV heads at a time."""
+    d = tl.arange(0, D_PAD)[None, :]
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    for block in range(KV_BLOCKS):
+        h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
+        v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
+        _write_cache(V_CACHE, V_CACHE_U8, v, h, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
+                     stride_vc_h, BLOCK_SIZE, D, D_PAD, V_FP8)
+
+
+@triton.jit
 def _gqa_prologue_kernel(
     Q, K, V, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT, Q_VAR, K_VAR,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
@@ -155,24 +180,23 @@ def _gqa_prologue_kernel(
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr,
+    KV_ONE_PROGRAM: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
     # INTERLEAVED: a 1-D grid with the role varying fastest, so the GPU starts q, k and v
     # programs side by side instead of every q program first and the small k / v ones last.
+    # KV_ONE_PROGRAM: role 1 also caches v (two roles a token).
+    ROLES: tl.constexpr = 2 if KV_ONE_PROGRAM else 3
     if INTERLEAVED:
         pid = tl.program_id(0).to(tl.int64)
-        t, role = pid // 3, pid % 3
+        t, role = pid // ROLES, pid % ROLES
     else:
         t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
     if role == 2:
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        for block in range(KV_BLOCKS):
-            h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
-            v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
-            _write_cache(V_CACHE, V_CACHE_U8, v, h, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
-                         stride_vc_h, BLOCK_SIZE, D, D_PAD, V_FP8)
+        _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale, stride_vc_blk,
+                      stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
@@ -200,6 +224,9 @@ def _gqa_prologue_kernel(
                                weight_offset, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
                 _write_cache(K_CACHE, K_CACHE_U8, k, h, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off,
                              stride_kc_h, BLOCK_SIZE, D, D_PAD, K_FP8)
+            if KV_ONE_PROGRAM:
+                _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale,
+                              stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
 
 
 def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, int, int]:
@@ -237,7 +264,9 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     # Without variances the kernel never reads them: any fp32-free pointer stands in (stride 0).
     q_var, k_var = (q_variance, k_variance) if has_variance else (slots, slots)
 
-    grid = (3 * tokens,) if _INTERLEAVE_ROLES else (tokens, 3)
+    roles = 2 if _KV_ONE_PROGRAM else 3
+    interleaved = interleave_roles(tokens, full_width_norm)
+    grid = (roles * tokens,) if interleaved else (tokens, roles)
 
     def _launch():
         _gqa_prologue_kernel[grid](
@@ -249,7 +278,8 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
-            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=_INTERLEAVE_ROLES,
+            K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
+            KV_ONE_PROGRAM=_KV_ONE_PROGRAM,
             num_warps=num_warps_for(hb_q * d_pad),
         )
 

@@ -163,7 +163,7 @@ def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-9"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-10"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
@@ -202,11 +202,14 @@ def test_op_device_body_with_and_without_variances(tp):
         _assert_bf16_close(got, want, "cache")
 
 
+@pytest.mark.parametrize("interleaved, kv_one_program", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("model", ["minimax", "qwen"])
-def test_interleaved_grid(monkeypatch, model):
-    """The role-fastest 1-D grid computes what the (tokens, 3) grid does, with an FP8 cache
-    (``_run`` gives about a quarter of the tokens slot -1 and compares the whole caches)."""
-    monkeypatch.setattr(K, "_INTERLEAVE_ROLES", True)
+def test_grid_orders(monkeypatch, model, interleaved, kv_one_program):
+    """The role-fastest 1-D grid, and k's program also caching v, compute what the (tokens, 3)
+    grid does, with an FP8 cache (``_run`` gives about a quarter of the tokens slot -1 and
+    compares the whole caches)."""
+    monkeypatch.setattr(K, "_INTERLEAVE_ROLES", interleaved)
+    monkeypatch.setattr(K, "_KV_ONE_PROGRAM", kv_one_program)
     c = dict(tokens=5, kv_heads=2, group=3, head_dim=64, seed=13, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen")
     _run(c)

@@ -2,6 +2,8 @@
 of squares all-reduced (model_adapters/minimax_m2/reference.py ``rms_norm_tp``, vLLM's
 ``MiniMaxText01RMSNormTP.forward_qk``), on CPU with gloo, or with NCCL on two GPUs where the
 machine has them (each rank on its own GPU, the op's Triton kernel instead of its reference).
+With ``FUSION_TP_ONE_GPU=1`` on a machine of one GPU, both ranks run on it and all-reduce through
+gloo (which takes CUDA tensors): the same kernels and graphs, no NCCL.
 
 - A world of 2 processes: each rank compiles a 2-layer stack of its shard of the reference
   prologue (layer 0 a bf16 cache, layer 1 an FP8 one) with the fusion backend, strict on one site
@@ -40,10 +42,17 @@ SCALES = ((1.0, 1.0), (0.05, 0.02))  # layer 0's cache bf16, layer 1's FP8
 POSITIONS, SLOTS = [5, 0, 17], [13, 2, 7]
 
 
+# Both ranks on one GPU (gloo all-reduces CUDA tensors through the host): the kernels and compiled
+# graphs of the NCCL run, on a machine that has a single GPU.
+ONE_GPU = os.environ.get("FUSION_TP_ONE_GPU") == "1"
+
+
 def _skip_reason() -> str | None:
     if not dist.is_available() or not dist.is_gloo_available() or minimax.funcol is None:
         return "torch.distributed with gloo is not available in this build"
-    if torch.cuda.device_count() >= WORLD and not dist.is_nccl_available():
+    if ONE_GPU and not torch.cuda.is_available():
+        return "FUSION_TP_ONE_GPU=1 needs a GPU"
+    if not ONE_GPU and torch.cuda.device_count() >= WORLD and not dist.is_nccl_available():
         return f"{torch.cuda.device_count()} GPUs but no NCCL in this build"
     try:
         torch.ops._c10d_functional.all_reduce.default  # noqa: B018
@@ -81,7 +90,10 @@ def _full_layers():
 
 
 def _rank_device(rank: int) -> torch.device:
-    """Rank r's GPU when the machine has one per rank (NCCL), else the CPU (gloo)."""
+    """Rank r's GPU when the machine has one per rank (NCCL), GPU 0 for both with ONE_GPU (gloo),
+    else the CPU (gloo)."""
+    if ONE_GPU:
+        return torch.device("cuda:0")
     return torch.device(f"cuda:{rank}") if torch.cuda.device_count() >= WORLD else torch.device("cpu")
 
 
@@ -132,7 +144,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     device = _rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device.type == "cuda" and not ONE_GPU else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=WORLD)  # fmt: skip
     try:
         torch.set_num_threads(1)
@@ -177,7 +189,8 @@ def tp_run(tmp_path_factory):
 
 
 def test_every_rank_fuses_each_layer_with_its_all_reduce_neighbours(tp_run):
-    for run in tp_run["ranks"]:
+    for rank, run in enumerate(tp_run["ranks"]):
+        assert run["device"] == str(_rank_device(rank))  # where the kernels ran
         assert run["misses"] == [] and run["missing"] == [], run["format"]
         assert run["per_variant"] == {"minimax.paged_tp_bf16": 1, "minimax.paged_tp_fp8": 1}, run["format"]
         assert run["folded_gathers"] == 2
