@@ -23,8 +23,9 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
   gemm    the one launch's GEMM-phase alternatives (``GEMM_VARIANTS``: the _BLOCK_K / _BLOCK_E /
           _GEMV / _UNROLL / _W_HINTS / _GEMM_WARPS / _GEMM_STAGES / _TARGET_PROGRAMS / _MAX_SPLIT
           knobs) at 1, 2 and 16 tokens, each checked like ``ab``'s, then timed warm (CUDA-graph
-          replays, the weight L2-resident) and cold (a graph of [L2 flush, op] pairs minus a graph
-          of the flushes alone), beside the router-weight copy timed both ways in the same run;
+          replays, the weight L2-resident), cold (a graph of [L2 flush, op] pairs minus a graph
+          of the flushes alone) and rotated (one graph over >= 256 MB of router-weight copies,
+          each call on the next), beside the router-weight copy timed all three ways in the run;
           ratios to both floors, a summary table on stdout (not in the default parts):
 
     python bench/moe_router_check.py --parts ab --out bench/results/moe_router_ab_h200.json
@@ -97,6 +98,10 @@ GEMM_VARIANTS = {
 }
 GEMM_TOKENS = (1, 2, 16)
 FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
+# Cold by rotation: one graph calls the op (or the copy) on each of N copies of the router weight
+# in turn, N copies >= ROTATE_BYTES, so each call's weight was evicted by the others' (no
+# subtraction of two ~85 µs graphs, whose difference moved by 1-2 µs between runs in session 12).
+ROTATE_BYTES = 256 << 20
 
 
 def make_args(name: str, tokens: int, seed: int = 0):
@@ -165,9 +170,20 @@ def make_flush():
     return lambda: scratch.fill_(1)  # a write kernel: every line it touches is allocated in L2
 
 
+def rotated_copies(weight: torch.Tensor) -> list:
+    """Copies of ``weight`` totalling at least ROTATE_BYTES (at least 2)."""
+    return [weight.clone() for _ in range(max(2, -(-ROTATE_BYTES // (weight.numel() * weight.element_size()))))]
+
+
+def rotated_time_us(fn, copies: list) -> float:
+    """Median µs per call of fn(copy) over one graph that calls it once on every copy in turn."""
+    return common.graph_time_us(lambda i: fn(copies[i]), len(copies), calls_per_graph=len(copies), replays=20)
+
+
 def floors(name: str, flush=None) -> dict:
     """The router-weight copy floor: L2-resident (graph replays of the copy alone) and, with
-    ``flush``, cold (graph of [flush, copy] minus graph of [flush, nothing])."""
+    ``flush``, cold two ways: graph of [flush, copy] minus graph of [flush, nothing], and the
+    copy of each of ``rotated_copies`` in turn."""
     src = make_args(name, 1)[1]
     dst = torch.empty_like(src)
     out = {"bytes": src.numel() * src.element_size(),
@@ -176,19 +192,23 @@ def floors(name: str, flush=None) -> dict:
         out["flush_us"] = cold_time_us(lambda i: None, flush)
         out["flush_plus_copy_us"] = cold_time_us(lambda i: dst.copy_(src), flush)
         out["copy_cold_us"] = out["flush_plus_copy_us"] - out["flush_us"]
+        copies = rotated_copies(src)
+        out["copy_rotated_us"] = rotated_time_us(lambda w: dst.copy_(w), copies)
+        out["rotated_copies"] = len(copies)
     return out
 
 
 def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None = None, flush=None) -> list:
     """Each variant (module knobs) of the one launch at each token count: checked (``ab_check``)
-    then timed warm; with ``flush`` also cold (minus ``floor['flush_us']``); with ``floor`` the
-    ratios to the copy floors."""
+    then timed warm; with ``flush`` also cold (minus ``floor['flush_us']``) and rotated over
+    copies of the router weight; with ``floor`` the ratios to the copy floors."""
     rows = []
     for t in tokens:
         a = make_args(name, t)
         gen = torch.Generator(device="cuda").manual_seed(t + 1)
         gate_w = (torch.randn(1, a[0].shape[1], device="cuda", generator=gen) * a[0].shape[1] ** -0.5).bfloat16() \
             if name in AB_GATE else None
+        weights = rotated_copies(a[1]) if flush is not None else []
         for label, settings in variants.items():
             entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
             try:
@@ -199,10 +219,12 @@ def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None
                     if flush is not None:
                         entry["flush_plus_op_us"] = cold_time_us(lambda i: _fused(a, gate_w), flush)
                         entry["cold_us"] = entry["flush_plus_op_us"] - floor["flush_us"]
+                        entry["rotated_us"] = rotated_time_us(lambda w: _fused((a[0], w, *a[2:]), gate_w), weights)
                 if floor is not None:
                     entry["ratio_warm"] = entry["us"] / floor["copy_warm_us"]
                     if "cold_us" in entry:
                         entry["ratio_cold"] = entry["cold_us"] / floor["copy_cold_us"]
+                        entry["ratio_rotated"] = entry["rotated_us"] / floor["copy_rotated_us"]
             except Exception as e:  # noqa: BLE001 - record and go on
                 entry["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(entry)
@@ -217,15 +239,18 @@ def print_gemm_table(result: dict) -> None:
         if not f:
             continue
         print(f"\n{name}: weight {f['bytes'] / 2**20:.2f} MiB, copy warm {f['copy_warm_us']:.2f}, "
-              f"copy cold {f['copy_cold_us']:.2f} (flush {f['flush_us']:.1f})")
-        print(f"  {'variant':20s} {'T':>3s} {'ok':>3s} {'warm':>6s} {'x warm':>6s} {'cold':>6s} {'x cold':>6s}  launch")
+              f"copy cold {f['copy_cold_us']:.2f} (flush {f['flush_us']:.1f}), "
+              f"copy rotated {f['copy_rotated_us']:.2f} ({f['rotated_copies']} copies)")
+        print(f"  {'variant':20s} {'T':>3s} {'ok':>3s} {'warm':>6s} {'x warm':>6s} {'cold':>6s} {'x cold':>6s} "
+              f"{'rot':>6s} {'x rot':>6s}  launch")
         for e in row["gemm"]:
             if "error" in e:
                 print(f"  {e['variant']:20s} {e['tokens']:3d}  ERROR {e['error'][:80]}")
                 continue
             ok = "yes" if e["tokens_ids_equal"] == e["tokens"] else "NO"
             print(f"  {e['variant']:20s} {e['tokens']:3d} {ok:>3s} {e['us']:6.2f} {e['ratio_warm']:6.2f} "
-                  f"{e['cold_us']:6.2f} {e['ratio_cold']:6.2f}  {e['launch']}")
+                  f"{e['cold_us']:6.2f} {e['ratio_cold']:6.2f} {e['rotated_us']:6.2f} {e['ratio_rotated']:6.2f}"
+                  f"  {e['launch']}")
 
 
 def _cublas_logits(hidden, router_weight, logits_dtype):
