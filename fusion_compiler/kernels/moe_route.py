@@ -493,7 +493,9 @@ _MAX_SPLIT = 8
 # one span per program with evict_last 7.37 / 5.17 / 8.96; the GEMV body at one token over spans
 # 7.55 / 5.24 / 7.06 (1.94 / 2.01 / 1.79x). Warm (L2-resident) within +-0.5 µs of -13 throughout.
 # At 2-16 tokens span + evict_last was the fastest cold (16 tokens: 8.69 / 6.68 / 9.26 against
-# 11.28 / 7.63 / 14.80).
+# 11.28 / 7.63 / 14.80). "Cold" there subtracts a flush graph; timed by rotating over weight
+# copies instead (cleaner), -14 at one token is 7.61 / 5.72 / 8.35 µs, 2.36 / 2.58 / 2.43x the
+# copy timed the same way (-13: 9.50 / 6.16 / 13.56).
 SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"))
 _BLOCK_K: int | None = None
 _BLOCK_E: int | None = None
