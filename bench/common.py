@@ -87,6 +87,11 @@ def kernels_in(fn: Callable[[], object]) -> int:
     return count_cuda_kernels(fn).count
 
 
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64 (the worst element against the scale)."""
+    return float(((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item())
+
+
 def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

@@ -64,10 +64,6 @@ def make_inputs(heads, kv_heads, d, tokens, context, dtype_name, gen, device):
                 context_slots=slots.to(device), context_valid=valid.to(device))  # fmt: skip
 
 
-def max_rel_err(out, ref) -> float:
-    return float(((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item())
-
-
 def run_case(model, heads, kv_heads, d, tokens, dtype_name, context, bandwidth, device="cuda",
              split_factors=()) -> dict:  # fmt: skip
     """One (model, T, cache dtype): errors, then (on CUDA) both paths' graph-replay times."""
@@ -82,9 +78,9 @@ def run_case(model, heads, kv_heads, d, tokens, dtype_name, context, bandwidth, 
     old = paged_kv._gathered_attention(*args)
     op = torch.ops.fusion_compiler_ref.paged_decode_attention(*args)
     row["kernel_rel_err"] = relative_error(out, ref)
-    row["kernel_max_rel_err"] = max_rel_err(out, ref)
+    row["kernel_max_rel_err"] = common.max_relative_error(out, ref)
     row["gathered_rel_err"] = relative_error(old, ref)
-    row["gathered_max_rel_err"] = max_rel_err(old, ref)
+    row["gathered_max_rel_err"] = common.max_relative_error(old, ref)
     row["op_equals_kernel"] = bool(torch.equal(op, out))
     row["op_rel_err"] = relative_error(op, ref)
     ctx = first["context_slots"].shape[1]

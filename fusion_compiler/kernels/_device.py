@@ -77,6 +77,11 @@ def round_trip(v, DTYPE: tl.constexpr):
     return upcast(downcast(v, DTYPE))
 
 
+def mma_pad(n: int) -> int:
+    """A tile dim that ``mma`` / tl.dot takes: ``n`` padded to a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
 @triton.jit
 def mma(a, b):
     """a @ b with fp32 accumulation: native half-precision MMA on the GPU, IEEE fp32 (never tf32)

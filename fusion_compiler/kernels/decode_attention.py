@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, downcast, launch_on_device, mma, round_trip, upcast
+from ._device import INTERPRETER, downcast, launch_on_device, mma, mma_pad, round_trip, upcast
 
 KERNEL_VERSION = "decode_attention-1"
 
@@ -291,7 +291,7 @@ def combine(ws_acc, ws_ml, out: torch.Tensor, out_strides, rows: int, heads: int
         ws_acc, ws_ml, out,
         splits, split_blocks,
         *out_strides,
-        H=heads, DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)), SPLIT_BLOCK=_SPLIT_BLOCK,
+        H=heads, DV=dv, DV_PAD=mma_pad(dv), SPLIT_BLOCK=_SPLIT_BLOCK,
         INTERP_BLOCKS=split_blocks if INTERPRETER else 0,
         num_warps=_NUM_WARPS,
     )  # fmt: skip
@@ -351,7 +351,6 @@ def decode_attention_fwd(
     splits, per_split = split_plan(batch, kv_heads, seq_len, block_s, splits)
     split = splits > 1
     ws_acc, ws_ml = split_workspace(batch * heads, splits, dv, out)
-    dv_pad = max(16, triton.next_power_of_2(dv))
 
     def _launch():
         _split_kernel[(batch * kv_heads, splits)](
@@ -363,8 +362,8 @@ def decode_attention_fwd(
             stride_mb, stride_ms,
             out.stride(0), out.stride(1), out.stride(3),
             H_KV=kv_heads, G=group, D=d, DV=dv,
-            G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
-            DV_PAD=dv_pad, BLOCK_S=block_s, MASK_KIND=mask_kind, SPLIT=split,
+            G_PAD=mma_pad(group), D_PAD=mma_pad(d), DV_PAD=mma_pad(dv), BLOCK_S=block_s, MASK_KIND=mask_kind,
+            SPLIT=split,
             INTERP_TILES=per_split if INTERPRETER else 0,
             num_warps=_NUM_WARPS,
         )  # fmt: skip

@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, launch_on_device, mma, upcast
+from ._device import INTERPRETER, launch_on_device, mma, mma_pad, upcast
 
 # Bump whenever the kernels or their launch configuration change (hashed into cache keys).
 KERNEL_VERSION = "dsa_topk_mask-1"
@@ -387,8 +387,8 @@ def dsa_topk_mask_fwd(
                 q, k, weights, ws if m_ptr is None else m_ptr, ws,
                 seq, keys, float(scale), float(weight_scale),
                 *q.stride(), *k.stride(), *weights.stride(), *m_strides,
-                H=heads, D=dim, H_PAD=max(16, triton.next_power_of_2(heads)),
-                D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_T=block_t, MASK_KIND=mask_kind,
+                H=heads, D=dim, H_PAD=mma_pad(heads),
+                D_PAD=mma_pad(dim), BLOCK_T=block_t, MASK_KIND=mask_kind,
                 num_warps=score_warps,
             )  # fmt: skip
         _launch_select(ws, mask, topk, keep, select_block, radix_bits)

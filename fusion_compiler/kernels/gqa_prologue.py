@@ -21,7 +21,9 @@ q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 ca
 tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
 instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
 that all-reduce; -9 unrolls the full-width norm's sum over head blocks; -10 walks 2048-lane head
-blocks, and runs a full-width norm's roles interleaved (``interleave_roles``). This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
+blocks, and runs a full-width norm's roles interleaved (``interleave_roles``).
+
+This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
 importing it to run on CPU tensors.
 """
 
@@ -158,12 +160,11 @@ def _write_cache(CACHE, CACHE_U8, value, h, slot, kv_heads, scale, stride_blk, s
 
 
 @triton.jit
-def _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale, stride_vc_blk,
+def _cache_v_rows(V, t, stride_vt, stride_vh, slot, V_CACHE, V_CACHE_U8, kv_heads, v_scale, stride_vc_blk,
                   stride_vc_off, stride_vc_h, HB_KV: tl.constexpr, KV_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   D: tl.constexpr, D_PAD: tl.constexpr, V_FP8: tl.constexpr):
-    """Token t's v rows into the cache at its slot, HB_KV heads at a time."""
+    """Token t's v rows into the cache at ``slot``, HB_KV heads at a time."""
     d = tl.arange(0, D_PAD)[None, :]
-    slot = tl.load(SLOTS + t).to(tl.int64)
     for block in range(KV_BLOCKS):
         h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
         v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
@@ -195,8 +196,8 @@ def _gqa_prologue_kernel(
         t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, D_PAD)[None, :]
     if role == 2:
-        _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale, stride_vc_blk,
-                      stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
+        _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
+                      v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
@@ -225,7 +226,7 @@ def _gqa_prologue_kernel(
                 _write_cache(K_CACHE, K_CACHE_U8, k, h, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off,
                              stride_kc_h, BLOCK_SIZE, D, D_PAD, K_FP8)
             if KV_ONE_PROGRAM:
-                _cache_v_rows(V, t, stride_vt, stride_vh, SLOTS, V_CACHE, V_CACHE_U8, kv_heads, v_scale,
+                _cache_v_rows(V, t, stride_vt, stride_vh, slot, V_CACHE, V_CACHE_U8, kv_heads, v_scale,
                               stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
 
 

@@ -30,7 +30,8 @@ registers (a bias makes the key's score the biased one, so there they are reload
 
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
 GEMM (``_router_gemm_kernel``: the hidden dim split so ~128 programs stream the router weight,
-each its span in one tile: tl.dot, or at one token fp32 multiply-adds; fp32 partial sums) and the routing kernel, which sums them; or, up to
+each its span in one tile: tl.dot, or at one token fp32 multiply-adds; fp32 partial sums) and
+the routing kernel, which sums them; or, up to
 ``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last T programs to finish sum them and route
 one token each.
 Qwen3.5's shared-expert gate ``sigmoid(hidden . gate_weight)`` rides along as GEMM column E.
@@ -469,10 +470,10 @@ _TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the
 _MAX_SPLIT = 8
 
 # GEMM-phase A/B knobs of the <= 16-token launch (bench/moe_router_check.py --parts gemm; None:
-# the shipped shape, ``SHIPPED_GEMM``).  The weight streams from ~128 programs with 2-4 KB loads per step, far
-# below the ~32 KB per SM in flight that HBM / L2 bandwidth x latency asks for; these change how
-# many bytes each program has in flight and how many programs there are (with _TARGET_PROGRAMS /
-# _MAX_SPLIT).  Tokens > 16 (two launches) always take the shipped shape.
+# the shipped shape, ``SHIPPED_GEMM``).  moe_route-13 streamed the weight from ~128 programs with
+# 2-4 KB loads per step, far below the ~32 KB per SM in flight that HBM / L2 bandwidth x latency
+# asks for; these change how many bytes each program has in flight and how many programs there
+# are (with _TARGET_PROGRAMS / _MAX_SPLIT).  Tokens > 16 (two launches) always take the shipped shape.
 #   _BLOCK_K      hidden columns per step (power of two >= 16); 0: one step per program, its whole
 #                 split in one tile, so all its loads issue at once (the span ~hidden * tiles /
 #                 _TARGET_PROGRAMS rounded down to a power of two, at most _MAX_SPAN: about 1x-2x

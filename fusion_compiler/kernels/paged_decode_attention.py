@@ -15,8 +15,8 @@ loads the tile's slots and valid flags, then gathers the valid positions' K rows
 elements are contiguous: one row per slot, read once for all G heads) and V rows; invalid
 positions (context_valid False, or past C) load nothing and score -inf. The online softmax
 (``softmax_step``), the program's prologue and epilogue, the split rule (``num_splits``: the
-row count is T, aiming at TARGET_PROGRAMS, 2 a SM), the fp32 workspace and ``_combine_kernel`` are the dense kernel's. A slot
-below 0 at a valid position reads slot 0, as the op's ``clamp(min=0)`` does; a slot past the
+row count is T, aiming at TARGET_PROGRAMS, 2 a SM), the fp32 workspace and ``_combine_kernel``
+are the dense kernel's. A slot below 0 at a valid position reads slot 0, as the op's ``clamp(min=0)`` does; a slot past the
 cache is out of bounds (the op's gather would fail there too; no check, no host sync).
 
 FP8 caches: the e4m3 bytes are converted to q's dtype (every e4m3 value is exact in bf16 / fp16
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import INTERPRETER, downcast, launch_on_device, mma
+from ._device import INTERPRETER, downcast, launch_on_device, mma, mma_pad
 from .decode_attention import (
     _NUM_WARPS,
     block_s_for,
@@ -215,8 +215,7 @@ def paged_decode_attention_fwd(
             context_slots.stride(0), context_slots.stride(1), valid.stride(0), valid.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             H_KV=kv_heads, G=group, D=d, DV=dv,
-            G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)),
-            DV_PAD=max(16, triton.next_power_of_2(dv)), BLOCK_S=block_s, SPLIT=split,
+            G_PAD=mma_pad(group), D_PAD=mma_pad(d), DV_PAD=mma_pad(dv), BLOCK_S=block_s, SPLIT=split,
             INTERP_TILES=per_split if INTERPRETER else 0,
             num_warps=_NUM_WARPS,
         )  # fmt: skip

@@ -99,8 +99,9 @@ def _block_k_for(dim: int, block_n: int, elements: int) -> int:
 
 
 def default_config(tokens: int, top_k: int, hidden: int, intermediate: int) -> LaunchConfig:
-    """Launch shape by problem size (see ``_TARGET_PROGRAMS``); e.g. MiniMax (H 3072, I 1536,
-    top 8) at 1 token: kernel 1 16 x 256 tiles (768 programs), kernel 2 8 x 512 (384 programs)."""
+    """Launch shape by problem size: kernel 1 sized by ``_TARGET_PROGRAMS`` / ``_TILE_ELEMENTS``,
+    kernel 2 the measured ``_DOWN_*`` shape; e.g. MiniMax (H 3072, I 1536, top 8) at 1 token:
+    kernel 1 16 x 256 tiles (768 programs), kernel 2 2 x 1024 at 2 warps (1536 programs)."""
     gate_up_n = _block_n_for(tokens * top_k, intermediate)
     return LaunchConfig(
         gate_up_block_n=gate_up_n,
@@ -233,7 +234,7 @@ def supports(
     )
 
 
-def launch_gate_up(hidden, top_k_ids, gate_up_proj, act, block_n=16, block_k=256, num_warps=4, stages=1) -> None:
+def launch_gate_up(hidden, top_k_ids, gate_up_proj, act, block_n, block_k, num_warps, stages) -> None:
     """Kernel 1: ``act`` [T * k, I] = silu(gate) * up of every (token, k) pair. ``hidden`` and
     ``top_k_ids`` contiguous."""
     tokens, top_k = top_k_ids.shape
@@ -251,7 +252,7 @@ def launch_gate_up(hidden, top_k_ids, gate_up_proj, act, block_n=16, block_k=256
     ))  # fmt: skip
 
 
-def launch_down(act, top_k_ids, top_k_weights, down_proj, out, block_n=8, block_k=512, num_warps=4, stages=1) -> None:
+def launch_down(act, top_k_ids, top_k_weights, down_proj, out, block_n, block_k, num_warps, stages) -> None:
     """Kernel 2: ``out`` [T, H] = sum_k w[t, k] * down_e(act[(t, k)]). ``act``, ``top_k_ids``
     and ``top_k_weights`` contiguous."""
     tokens, top_k = top_k_ids.shape
