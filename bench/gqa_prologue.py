@@ -130,6 +130,30 @@ def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list)
     return out
 
 
+# Role sets for ``--sweep-roles``: the shipped grid, k's program also caching v ("kv1"), and two
+# diagnostics that skip roles (kernels/gqa_prologue.py ``_ROLES_RUN``; outputs left incomplete)
+# to see which programs set the time.
+ROLE_SETS = {"shipped": {}, "kv1": {"kv_one": True}, "q_only": {"roles": 1}, "kv_only": {"roles": 6}}
+
+
+def _sweep_roles(ours, sets, rotations, size, bandwidth, names) -> dict:
+    """µs and % of HBM by role set (``ROLE_SETS``) at the shipped lanes / warps / grid order."""
+    from fusion_compiler.kernels import gqa_prologue as kernel
+
+    saved = kernel._ROLES_RUN, kernel._KV_ONE_PROGRAM
+    out = {}
+    try:
+        with torch.no_grad():
+            for name in names:
+                kernel._KV_ONE_PROGRAM = ROLE_SETS[name].get("kv_one", False)
+                kernel._ROLES_RUN = ROLE_SETS[name].get("roles", 7)
+                us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
+                out[name] = {"us": round(us, 2), "pct_bw": round(100 * size / us / 1e3 / bandwidth, 1)}
+    finally:
+        kernel._ROLES_RUN, kernel._KV_ONE_PROGRAM = saved
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -138,6 +162,8 @@ def main() -> None:
     parser.add_argument("--sweep-lanes", type=int, nargs="*", default=[],
                         help="at the largest token count, also time ours with these head-block sizes (lanes)")
     parser.add_argument("--sweep-warps", type=int, nargs="*", default=[4, 8], help="... and these warps per program")
+    parser.add_argument("--sweep-roles", nargs="*", default=[], choices=list(ROLE_SETS),
+                        help="at the largest token count, also time ours with these role sets")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth_gbs()
     rows = []
@@ -176,6 +202,9 @@ def main() -> None:
             if tokens == max(args.tokens) and args.sweep_lanes and "ours" in variants:
                 row["ours_pct_bw_by_block_lanes"] = _sweep_lanes(variants["ours"], sets, rotations, size, bandwidth,
                                                                  args.sweep_lanes, args.sweep_warps)
+            if tokens == max(args.tokens) and args.sweep_roles and "ours" in variants:
+                row["ours_by_roles"] = _sweep_roles(variants["ours"], sets, rotations, size, bandwidth, args.sweep_roles)
+                print("   ours by roles:", row["ours_by_roles"], flush=True)
             summary = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                        if k.endswith(("_kernels", "_us", "_pct_bw")) or k.startswith("speedup")}  # fmt: skip
             print(f"{name} T={tokens:5d} {summary}", flush=True)

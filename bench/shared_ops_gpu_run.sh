@@ -12,6 +12,18 @@
 #   bash bench/shared_ops_gpu_run.sh final    paged_decode_attention-2 (GPU test, check at 1 and 8
 #       tokens), moe_route-14 against -13 and its two halves, then bench/decode.py on Qwen3.5's and
 #       DeepSeek's reference layers at batch 1 and 64 (the same modes)
+# Session 13 (one call each):
+#   retest    every kernel test file touched by f32f9b0 (CPU- and GPU-marked tests, three pytest
+#             processes side by side), the GQA bench at 1 and 4096 tokens with its role diagnostics
+#             (--sweep-roles; that call's memory-hint sets are gone: none helped), then inspect on
+#             HF Qwen3.5 at real widths (issue 7's compile-time bar)
+#   confirm   the FP8 division by the scale as a multiply + one FMA correction (_device.div_rn_by:
+#             its GPU test, the GQA kernel / op tests), the GQA bench at 1-4096 tokens, then inspect
+#             on HF DeepSeek V3.2 and MiniMax-M2.5 at real widths
+#   pieces    gqa_prologue-11 (rotary halves side by side): tests, the GQA bench at 1-4096 tokens,
+#             and the lanes x warps x order sweep at 4096 tokens
+#   decode    bench/decode.py on the reference layers: MiniMax at batch 1 and 64, Qwen3.5 at 1
+#   inspect MODEL...   inspect at real widths, one model after another
 # Results in $OUT/shared_ops_results.tgz.
 OUT=${OUT:-/tmp/out}
 R=$OUT/shared_ops_results
@@ -27,6 +39,11 @@ bench() {  # NAME SECONDS SCRIPT ARGS...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 "$@" > "$R/$name.log" 2>&1
   echo "$name: rc=$?"; grep -v -i "warn" "$R/$name.log" | cut -c1-300 | tail -n 30
+}
+
+inspect_one() {  # MODEL SECONDS
+  timeout "$2" fusion-compiler inspect "$1" --device cuda --json "$R/inspect_$1_real_cuda.json" > "$R/inspect_$1.log" 2>&1
+  echo "inspect $1: rc=$?"; grep -v -i warn "$R/inspect_$1.log" | cut -c1-300 | tail -n 14
 }
 
 phase=${1:-shared}
@@ -56,5 +73,38 @@ elif [ "$phase" = final ]; then
     --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_qwen.json"
   bench decode_deepseek $((585 - SECONDS)) bench/decode.py --sources reference --models deepseek-v3.2 --no-pinned \
     --batches 1 64 --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_deepseek.json"
+elif [ "$phase" = retest ]; then
+  run_tests retest_gqa_paged_experts 240 -m "not vllm" tests/kernels/test_gqa_prologue.py tests/ops/test_gqa_prologue.py \
+    tests/kernels/test_paged_decode_attention.py tests/model_adapters/test_experts_kernel.py &
+  run_tests retest_moe_route 240 -m "not vllm" tests/kernels/test_moe_route.py &
+  run_tests retest_attention_dsa 240 -m "not vllm" tests/kernels/test_decode_attention.py tests/ops/test_decode_attention.py \
+    tests/kernels/test_dsa_topk_mask.py &
+  wait
+  bench gqa_hints 200 bench/gqa_prologue.py --tokens 1 4096 --sweep-roles shipped kv1 q_only kv_only \
+    --out "$R/gqa_prologue_h200_hints.json"
+  left=$((585 - SECONDS))
+  [ "$left" -gt 120 ] && inspect_one qwen3.5 "$left"
+elif [ "$phase" = confirm ]; then
+  run_tests confirm_gqa_tests 150 -m "not vllm" tests/kernels/test_device_helpers.py tests/kernels/test_gqa_prologue.py \
+    tests/ops/test_gqa_prologue.py tests/kernels/test_paged_decode_attention.py
+  bench gqa 200 bench/gqa_prologue.py --sweep-roles shipped kv1 q_only kv_only \
+    --out "$R/gqa_prologue_h200_div_by.json"
+  for model in deepseek-v3.2 minimax-m2.5; do
+    left=$((585 - SECONDS)); [ "$left" -gt 90 ] && inspect_one "$model" "$left"
+  done
+elif [ "$phase" = pieces ]; then
+  run_tests pieces_gqa_tests 150 -m "not vllm" tests/kernels/test_device_helpers.py tests/kernels/test_gqa_prologue.py \
+    tests/ops/test_gqa_prologue.py
+  bench gqa 240 bench/gqa_prologue.py --sweep-roles shipped kv1 q_only kv_only --out "$R/gqa_prologue_h200_gqa11.json"
+  bench gqa_sweep $((585 - SECONDS)) bench/gqa_prologue.py --tokens 4096 --sweep-lanes 1024 2048 --sweep-warps 2 4 \
+    --out "$R/gqa_prologue_h200_gqa11_sweep.json"
+elif [ "$phase" = decode ]; then
+  bench decode_minimax 170 bench/decode.py --sources reference --models minimax-m2.5 --batches 1 64 \
+    --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_minimax.json"
+  bench decode_qwen $((380 - SECONDS)) bench/decode.py --sources reference --models qwen3.5 --batches 1 \
+    --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_qwen_b1.json"
+elif [ "$phase" = inspect ]; then
+  shift
+  for model in "$@"; do inspect_one "$model" $((585 - SECONDS)); done
 fi
 tar -czf "$OUT/shared_ops_results.tgz" -C "$OUT" shared_ops_results && rm -rf "$R"

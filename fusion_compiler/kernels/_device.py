@@ -102,6 +102,37 @@ def mean_from_sum(total, N: tl.constexpr):
     return tl.math.div_rn(total, tl.full(total.shape, N, tl.float32))
 
 
+@triton.jit
+def div_rn_by(x, d, TINY_X: tl.constexpr = True):
+    """``x / d`` rounded correctly (as ``div_rn``) wherever the quotient is a normal fp32, for
+    one divisor ``d`` shared by every lane: q = x * RN(1 / d) is within an ulp of x / d, and one
+    correction q + (x - q d) / d, the residual exact in an FMA, rounds it correctly (Markstein's
+    theorem: round to nearest, nothing overflowing or underflowing on the way). A handful of
+    instructions a lane instead of div.rn's ~20 with its slow-path call: the GQA prologue at
+    4096 tokens is bound by instruction issue, and its FP8 cache writes paid for the division
+    (bench/NOTES.md, session 13). The theorem's edges: an infinite q (x / d overflows) and a
+    zero result (whose sign the correction can lose) keep q; x below 2**-100 would leave a
+    subnormal residual, so with TINY_X it is scaled by 2**64 first and the quotient back (exact
+    unless the quotient itself is subnormal). Without TINY_X such x may come out an ulp off a
+    quotient below 2**-76: callers that convert to FP8 (0 there, sign kept) skip the scaling.
+    The interpreter's fma rounds twice, so there it divides."""
+    if INTERPRETER:
+        return tl.math.div_rn(x, tl.full(x.shape, 0.0, tl.float32) + d)
+    else:
+        d = d.to(tl.float32)
+        d_inv = tl.math.div_rn(d * 0.0 + 1.0, d)  # once: d is a scalar
+        xs = x
+        if TINY_X:
+            tiny = tl.abs(x) < 7.888609052210118e-31  # 2**-100
+            xs = tl.where(tiny, x * 1.8446744073709552e19, x)  # 2**64
+        q = xs * d_inv
+        corrected = tl.fma(tl.fma(-q, d, xs), d_inv, q)
+        corrected = tl.where((corrected == 0.0) | (tl.abs(q) == float("inf")), q, corrected)
+        if TINY_X:
+            corrected = tl.where(tiny, corrected * 5.421010862427522e-20, corrected)  # 2**-64
+        return corrected
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 (float8_e4m3fn)
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +163,17 @@ def to_fp8e4nv(v):
     """fp32 (already clamped to +-448, or NaN) -> float8_e4m3fn, round to nearest even."""
     if INTERPRETER_BIT_CASTS:
         return _fp32_to_e4m3fn_bits(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_fp8e4nv_clamped(v):
+    """fp32 -> float8_e4m3fn of v clamped to +-448 (NaN stays NaN), round to nearest even. On
+    the GPU the conversion itself clamps (``cvt.rn.satfinite``: beyond +-448, infinities
+    included, to +-448), so no min / max a lane."""
+    if INTERPRETER_BIT_CASTS:
+        return to_fp8e4nv(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX))
     else:
         return v.to(tl.float8e4nv)
 

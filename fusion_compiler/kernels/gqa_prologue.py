@@ -1,17 +1,17 @@
 """GQA attention prologue (q/k RMSNorm + partial NeoX RoPE + K/V cache write): one Triton kernel
 and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference must match).
 
-Design: three programs per token (q; k and its cache write; v's cache write) hold the token's rows as [heads, head_dim] tiles
-(each padded to a power of two; rows addressed by token and head strides, so Qwen3.5's q
-inside its [q | gate] head rows is read in place), so a full-width norm is one reduction over
-the tile and a per-head norm one reduction over axis 1. RoPE lanes gather their NeoX partner from memory (a
-second load of the same lines, ``_device.rope_neox_lanes``) and recompute its normed value with
-the same rstd, bit-identically, so the norm stays elementwise. q goes to ``q_out``; k and v go
-to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``value / scale``
-(correctly rounded division) clamped to +-448 and rounded to e4m3. Both cache layouts (paged
-[blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one addressing with
-the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any row stride) are
-read at ``positions[t]``, or at row t without positions.
+Design: three programs per token (q; k and its cache write; v's cache write) hold the token's
+rows as [heads, lanes] tiles (rows addressed by token and head strides, so Qwen3.5's q inside its
+[q | gate] head rows is read in place). A head row is three pieces (``_pieces``): the two rotary
+halves side by side, so lane i of one is the NeoX partner of lane i of the other and a pair
+rotates in place, and the pass-through lanes. A full-width norm's rstd is one reduction over the
+token's rows first; a per-head norm's one reduction over a whole-row tile. q goes to ``q_out``; k
+and v go to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``value /
+scale`` (correctly rounded: ``_device.div_rn_by``) clamped to +-448 and rounded to e4m3. Both
+cache layouts (paged [blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one
+addressing with the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any
+row stride) are read at ``positions[t]``, or at row t without positions.
 
 History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
@@ -21,7 +21,12 @@ q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 ca
 tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
 instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
 that all-reduce; -9 unrolls the full-width norm's sum over head blocks; -10 walks 2048-lane head
-blocks, and runs a full-width norm's roles interleaved (``interleave_roles``).
+blocks, and runs a full-width norm's roles interleaved (``interleave_roles``). -11 (session 13):
+at 4096 tokens the kernel was bound by instruction issue, not HBM (a k / v program alone took
+10-15 us for ~25 MB; -10 gathered every lane's RoPE partner into a second full-width tile and
+normed it again, and divided by the FP8 scale with div.rn): the rotary halves side by side and
+the division as a multiply and one FMA correction take MiniMax bf16 / Qwen3.5 / FP8 from
+66 / 68 / 58% of HBM to 88 / 79 / 80%, and 1 token from ~4.2 to ~3.2 us.
 
 This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
 importing it to run on CPU tensors.
@@ -33,15 +38,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import FP8_MAX, downcast, launch_on_device, rope_neox_lanes, rotate, round_trip, store_fp8_as_bytes
-from ._device import to_fp8e4nv, upcast
+from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
+from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-10"
+KERNEL_VERSION = "gqa_prologue-11"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
 # token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
-# tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%.
+# tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's
+# pieces (session 13 sweep, 4096 tokens): 2048 lanes / 4 warps best for MiniMax (89.4 / 80.5%);
+# Qwen3.5's per-head norm would take 86.6% at 1024 lanes against 77.9-79.2% (not yet the default).
 WHOLE_TILES_UP_TO = 256
 _BLOCK_LANES = 2048
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
@@ -54,6 +61,9 @@ _BLOCK_LANES = 2048
 # blocks; ``_INTERLEAVE_ROLES`` (None: by shape) is the sweep's override.
 _INTERLEAVE_ROLES: bool | None = None
 _KV_ONE_PROGRAM = False
+# Diagnostic knob (bench/gqa_prologue.py --sweep-roles): a bit mask of the roles that run (q 1,
+# k 2, v 4); the others leave their outputs unwritten. Which programs set the time at 4096 tokens.
+_ROLES_RUN = 7
 
 
 def interleave_roles(tokens: int, full_width_norm: bool) -> bool:
@@ -119,41 +129,58 @@ def _token_rstd(X, stride_h, heads, VAR, t, stride_var, divisor, eps, HB: tl.con
 
 
 @triton.jit
-def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
-               D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, FULL_WIDTH: tl.constexpr,
-               OUT_DTYPE: tl.constexpr):
-    """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h),
-    in fp32 (rounded values). Full width: the token's rstd is given."""
-    d = tl.arange(0, D_PAD)[None, :]
-    mask = (h < heads) & (d < D)
-    x = upcast(tl.load(X + h * stride_h + d, mask=mask, other=0.0))
-    if FULL_WIDTH:
-        rstd = full_rstd
-        w_self, w_base = h * D + d, h * D
-    else:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        w_self, w_base = d, 0 * h
-    normed = _normed(x, W, w_self, mask, rstd, weight_offset, OUT_DTYPE)
-    partner, pair, first = rope_neox_lanes(d, ROT // 2)
-    rotary = mask & (d < ROT)  # only rotary lanes need their partner
-    x_p = upcast(tl.load(X + h * stride_h + partner, mask=rotary, other=0.0))
-    normed_p = _normed(x_p, W, w_base + partner, rotary, rstd, weight_offset, OUT_DTYPE)
-    c = upcast(tl.load(COS + cos_row + pair, mask=d < ROT, other=1.0))
-    s = upcast(tl.load(SIN + sin_row + pair, mask=d < ROT, other=0.0))
-    return tl.where(d < ROT, round_trip(rotate(normed, normed_p, c, s, first), OUT_DTYPE), normed)
+def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
+    """A head row's lanes as three pieces: the rotary halves [0, ROT/2) and [ROT/2, ROT) (lane i
+    of one is the NeoX partner of lane i of the other) and the pass-through lanes [ROT, D):
+    (first, second, pass, half lanes in range, pass lanes in range), each [1, width]."""
+    first = tl.arange(0, HALF_PAD)[None, :]
+    rest = ROT + tl.arange(0, PASS_PAD)[None, :]
+    return first, first + ROT // 2, rest, first < ROT // 2, rest < D
 
 
 @triton.jit
-def _write_cache(CACHE, CACHE_U8, value, h, slot, kv_heads, scale, stride_blk, stride_off, stride_h,
-                 BLOCK_SIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP8_CACHE: tl.constexpr):
-    """Heads ``h`` ([HB, 1]) of one token's cache row at ``slot`` (-1: nothing)."""
-    d = tl.arange(0, D_PAD)[None, :]
-    mask = (h < kv_heads) & (d < D) & (slot >= 0)
+def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
+               D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
+               FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h), as
+    the three ``_pieces`` in fp32 (rounded values). Full width: the token's rstd is given.
+    Holding the rotary halves side by side, every lane is loaded and normed once and a NeoX pair
+    rotates in place (-9 gathered each lane's partner into a full-width second tile: twice the
+    norm work on rotary lanes and a dead partner tile on the rest; the kernel is bound by
+    instruction issue at 4096 tokens, bench/NOTES.md session 13)."""
+    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
+    rows = X + h * stride_h
+    half_mask, rest_mask = (h < heads) & half_ok, (h < heads) & rest_ok
+    x1 = upcast(tl.load(rows + first, mask=half_mask, other=0.0))
+    x2 = upcast(tl.load(rows + second, mask=half_mask, other=0.0))
+    x3 = upcast(tl.load(rows + rest, mask=rest_mask, other=0.0))
+    if FULL_WIDTH:
+        rstd = full_rstd
+        w_row = h * D
+    else:  # per head: summed over the whole row as one tile (one reduction, not one a piece)
+        d = tl.arange(0, D_PAD)[None, :]
+        x = upcast(tl.load(rows + d, mask=(h < heads) & (d < D), other=0.0))
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        w_row = 0 * h
+    n1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE)
+    n2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE)
+    c = upcast(tl.load(COS + cos_row + first, mask=half_ok, other=1.0))
+    s = upcast(tl.load(SIN + sin_row + first, mask=half_ok, other=0.0))
+    out1 = round_trip(n1 * c - n2 * s, OUT_DTYPE)
+    out2 = round_trip(n2 * c + n1 * s, OUT_DTYPE)
+    return out1, out2, _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE)
+
+
+@triton.jit
+def _write_cache(CACHE, CACHE_U8, value, h, lanes, lane_ok, slot, kv_heads, scale, stride_blk, stride_off, stride_h,
+                 BLOCK_SIZE: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """Lanes ``lanes`` ([1, width]) of heads ``h`` ([HB, 1]) of one token's cache row at
+    ``slot`` (-1: nothing)."""
+    mask = (h < kv_heads) & lane_ok & (slot >= 0)
     slot = tl.maximum(slot, 0)
-    offsets = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_off + h * stride_h + d
+    offsets = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_off + h * stride_h + lanes
     if FP8_CACHE:
-        scaled = tl.math.div_rn(value, tl.full(value.shape, 0.0, tl.float32) + scale)
-        codes = to_fp8e4nv(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+        codes = to_fp8e4nv_clamped(div_rn_by(value, scale, False))  # below 2**-76: FP8 zeros either way
         store_fp8_as_bytes(CACHE_U8, offsets, codes, mask)
     else:
         tl.store(CACHE + offsets, downcast(value, CACHE.dtype.element_ty), mask=mask)
@@ -168,8 +195,8 @@ def _cache_v_rows(V, t, stride_vt, stride_vh, slot, V_CACHE, V_CACHE_U8, kv_head
     for block in range(KV_BLOCKS):
         h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
         v = upcast(tl.load(V + t * stride_vt + h * stride_vh + d, mask=(h < kv_heads) & (d < D), other=0.0))
-        _write_cache(V_CACHE, V_CACHE_U8, v, h, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
-                     stride_vc_h, BLOCK_SIZE, D, D_PAD, V_FP8)
+        _write_cache(V_CACHE, V_CACHE_U8, v, h, d, d < D, slot, kv_heads, v_scale, stride_vc_blk, stride_vc_off,
+                     stride_vc_h, BLOCK_SIZE, V_FP8)
 
 
 @triton.jit
@@ -179,25 +206,27 @@ def _gqa_prologue_kernel(
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h, stride_qvar, stride_kvar,
     heads, kv_heads, eps, weight_offset, k_scale, v_scale, variance_divisor,
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    ROT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr,
-    KV_ONE_PROGRAM: tl.constexpr,
+    ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
+    V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr, ROLES_RUN: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
     # INTERLEAVED: a 1-D grid with the role varying fastest, so the GPU starts q, k and v
     # programs side by side instead of every q program first and the small k / v ones last.
-    # KV_ONE_PROGRAM: role 1 also caches v (two roles a token).
+    # KV_ONE_PROGRAM: role 1 also caches v (two roles a token). ROLES_RUN: _ROLES_RUN.
     ROLES: tl.constexpr = 2 if KV_ONE_PROGRAM else 3
     if INTERLEAVED:
         pid = tl.program_id(0).to(tl.int64)
         t, role = pid // ROLES, pid % ROLES
     else:
         t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    d = tl.arange(0, D_PAD)[None, :]
+    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
     if role == 2:
-        _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
-                      v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
+        if ROLES_RUN & 4:
+            _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
+                          v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD,
+                          V_FP8)
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
@@ -205,26 +234,36 @@ def _gqa_prologue_kernel(
             row = t
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
-            X = Q + t * stride_qt
-            full_rstd = _token_rstd(X, stride_qh, heads, Q_VAR, t, stride_qvar, variance_divisor, eps,
-                                    HB_Q, D, D_PAD, Q_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
-            for block in range(Q_BLOCKS):
-                h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
-                q = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
-                               weight_offset, D, D_PAD, ROT, FULL_WIDTH, Q.dtype.element_ty)
-                tl.store(Q_OUT + t * stride_qo + h * D + d, downcast(q, Q_OUT.dtype.element_ty),
-                         mask=(h < heads) & (d < D))
-        else:
+            if ROLES_RUN & 1:
+                X = Q + t * stride_qt
+                full_rstd = _token_rstd(X, stride_qh, heads, Q_VAR, t, stride_qvar, variance_divisor, eps,
+                                        HB_Q, D, D_PAD, Q_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
+                for block in range(Q_BLOCKS):
+                    h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
+                    q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
+                                            weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
+                                            Q.dtype.element_ty)
+                    out = Q_OUT + t * stride_qo + h * D
+                    out_dtype = Q_OUT.dtype.element_ty
+                    tl.store(out + first, downcast(q1, out_dtype), mask=(h < heads) & half_ok)
+                    tl.store(out + second, downcast(q2, out_dtype), mask=(h < heads) & half_ok)
+                    tl.store(out + rest, downcast(q3, out_dtype), mask=(h < heads) & rest_ok)
+        elif ROLES_RUN & 2:
             X = K + t * stride_kt
             slot = tl.load(SLOTS + t).to(tl.int64)
             full_rstd = _token_rstd(X, stride_kh, kv_heads, K_VAR, t, stride_kvar, variance_divisor, eps,
                                     HB_KV, D, D_PAD, KV_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
             for block in range(KV_BLOCKS):
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
-                k = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
-                               weight_offset, D, D_PAD, ROT, FULL_WIDTH, K.dtype.element_ty)
-                _write_cache(K_CACHE, K_CACHE_U8, k, h, slot, kv_heads, k_scale, stride_kc_blk, stride_kc_off,
-                             stride_kc_h, BLOCK_SIZE, D, D_PAD, K_FP8)
+                k1, k2, k3 = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
+                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
+                                        K.dtype.element_ty)
+                _write_cache(K_CACHE, K_CACHE_U8, k1, h, first, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
+                             stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
+                _write_cache(K_CACHE, K_CACHE_U8, k2, h, second, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
+                             stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
+                _write_cache(K_CACHE, K_CACHE_U8, k3, h, rest, rest_ok, slot, kv_heads, k_scale, stride_kc_blk,
+                             stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
             if KV_ONE_PROGRAM:
                 _cache_v_rows(V, t, stride_vt, stride_vh, slot, V_CACHE, V_CACHE_U8, kv_heads, v_scale,
                               stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
@@ -254,6 +293,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
         raise ValueError("q_out and the norm weights must be contiguous")
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
+    rot = 2 * cos.shape[-1]
     hb_q, hb_kv = heads_per_block(tokens, heads, d_pad), heads_per_block(tokens, kv_heads, d_pad)
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
@@ -277,10 +317,11 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h, q_var.stride(0), k_var.stride(0),
             heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale), float(variance_divisor),
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
-            D_PAD=d_pad, ROT=2 * cos.shape[-1], BLOCK_SIZE=block_size,
+            D_PAD=d_pad, ROT=rot, HALF_PAD=triton.next_power_of_2(rot // 2),
+            PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot)), BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
-            KV_ONE_PROGRAM=_KV_ONE_PROGRAM,
+            KV_ONE_PROGRAM=_KV_ONE_PROGRAM, ROLES_RUN=_ROLES_RUN,
             num_warps=num_warps_for(hb_q * d_pad),
         )
 

@@ -163,7 +163,7 @@ def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-10"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-11"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
@@ -213,3 +213,4 @@ def test_grid_orders(monkeypatch, model, interleaved, kv_one_program):
     c = dict(tokens=5, kv_heads=2, group=3, head_dim=64, seed=13, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen")
     _run(c)
+

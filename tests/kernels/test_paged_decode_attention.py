@@ -138,7 +138,7 @@ def test_unsupported_arguments_are_named():
 
 def test_op_cpu_path_still_gathers():
     """The op on CPU tensors keeps the gather + SDPA path (the kernel path is for CUDA)."""
-    args = _inputs(2, 12, 2, 64, 30, FP8, seed=3, holes=True)
+    args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in _inputs(2, 12, 2, 64, 30, FP8, seed=3, holes=True)]
     out = paged_kv.paged_decode_attention(*args, 2)
     assert out.dtype == torch.float32 and out.shape == (2, 12, 64)
     assert relative_error(out, paged_kv.paged_decode_attention_reference(*args, 2)) < 1e-5
