@@ -155,6 +155,17 @@ def trace_like_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
     return gm
 
 
+def graph_module_lazy(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that writes and compiles its Python code only when first called (an
+    interpreter or a matcher reading its graph never does): torch's ``_LazyGraphModule``, where
+    this torch has it."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every torch we support (2.11-2.14) has it
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def run_with_fake_mode(target, args, kwargs):
     """Fake outputs for a node a pass builds (inside Inductor's post-grad passes)."""
     from torch._inductor.virtualized import V

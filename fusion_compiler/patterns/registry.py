@@ -160,13 +160,60 @@ def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool
 
 def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     """A pattern trace in the form of the graphs it meets: post-grad rewrites, then our
-    canonical spellings (the pass canonicalises the real graph the same way)."""
+    canonical spellings (the pass canonicalises the real graph the same way). Inside
+    ``run_family`` a repeat of an earlier trace (same function, same argument metadata) is a
+    copy of it (``_SITE_TRACES``)."""
     from ..passes.canonicalize import canonicalize  # the pass owns the rules; no import cycle at load
 
+    cache = _SITE_TRACES[-1] if _SITE_TRACES else None
+    key = _trace_key(fn, args, kwargs) if cache is not None else None
+    if key is not None and key in cache:
+        return _copy_module(cache[key])
     gm = _compat.trace_like_post_grad(fn, args, **kwargs)
     if canonicalize(gm.graph):
         gm.recompile()
+    if key is not None:
+        cache[key] = gm
+        return _copy_module(gm)  # Inductor writes the site's metadata into the graph it gets
     return gm
+
+
+# Per-match traces of one run_family call, by (function, argument metadata). Inductor re-traces
+# the search with each structural match's own shapes and traces the replacement for it (~10 ms
+# each on CPU): once per layer, so a 61-layer model paid ~60x for the same graphs (session 13:
+# 36 traces, 17 distinct, in a 2-layer DeepSeek V3.2 step). One run is one graph and one fake
+# mode, so a copy is what a fresh trace would give; symbolic shapes are not cached.
+_SITE_TRACES: list[dict] = []
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _trace_key(fn, args, kwargs) -> tuple | None:
+    def meta(value):
+        if isinstance(value, torch.Tensor):
+            dims = (*value.shape, *value.stride())
+            if not all(type(d) is int for d in dims):
+                raise _Uncacheable
+            return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type, value.requires_grad)
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(meta(v) for v in value))
+        if value is None or type(value) in (bool, int, float, str, torch.dtype):
+            return (type(value), value)
+        raise _Uncacheable
+
+    try:
+        return (fn, meta(list(args)), tuple(sorted((k, id(v)) for k, v in kwargs.items())))
+    except _Uncacheable:
+        return None
+
+
+def _copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A fresh GraphModule over a copy of gm's graph (node metadata dicts copied, values shared)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return _compat.graph_module_lazy(gm, graph)
 
 
 # Seconds spent tracing each (family, lowering)'s variants: once per process, then cached.
@@ -207,6 +254,7 @@ def run_family(family: Family, lowering: str, graph: torch.fx.Graph) -> MatchRec
     recorder = MatchRecorder(family)
     matcher = matcher_for(family, lowering)
     _active.append(recorder)
+    _SITE_TRACES.append({})
     try:
         replaced = matcher.apply(graph)
         # An anchor declined because a sub-pattern bound a later site's nodes gets another pass
@@ -215,6 +263,7 @@ def run_family(family: Family, lowering: str, graph: torch.fx.Graph) -> MatchRec
             replaced = matcher.apply(graph)
     finally:
         _active.pop()
+        _SITE_TRACES.pop()
     return recorder
 
 

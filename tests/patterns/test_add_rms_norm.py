@@ -260,3 +260,38 @@ def test_norm_without_a_weight_is_a_miss_explained_by_the_matcher():
     miss = _single_miss(report)
     assert miss.reason.startswith("no variant matches at")
     assert relative_error(actual, expected) < 1e-2
+
+
+def test_repeated_sites_trace_each_pattern_once(monkeypatch):
+    """Four identical half-layers (one shape): Inductor's per-match re-traces of the search and
+    the replacement are traced once and copied for the other sites (registry._SITE_TRACES), and
+    every site still fuses with eager's outputs. A 61-layer model otherwise pays each trace 61
+    times."""
+    from fusion_compiler import _compat
+
+    traced = []
+    real = _compat.trace_like_post_grad
+
+    def counting(fn, args, **kwargs):
+        traced.append(fn)
+        return real(fn, args, **kwargs)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(HFNorm(), HFNorm()) for _ in range(2))
+
+        def forward(self, x, residual):
+            for block in self.blocks:
+                x, residual = block(x, residual)
+            return x, residual
+
+    module = Stack()
+    _compile_and_run(module, *_inputs())  # variants registered (traced once per process) first
+    monkeypatch.setattr(_compat, "trace_like_post_grad", counting)
+    torch._dynamo.reset()
+    report, actual, expected = _compile_and_run(module, *_inputs())
+    assert report.per_variant() == {"add_rms_norm.hf": 4}, report.format()
+    assert len(traced) == 2, traced  # one search re-trace, one replacement, for all four sites
+    for a, e in zip(actual, expected):
+        assert relative_error(a, e) < 1e-2
