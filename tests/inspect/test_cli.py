@@ -81,19 +81,31 @@ def test_inspect_dense_llama_from_hf_config(tmp_path):
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["inspect"], "exactly one of MODEL or --hf-config"),
-        (["inspect", "minimax-m2.5", "--hf-config", "x.json"], "exactly one of MODEL or --hf-config"),
-        (["inspect", "--hf-config", "/no/such/file.json"], "not found"),
-        (["inspect", "minimax-m2.5", "--layers", "0"], "--layers must be >= 1"),
-        (["inspect", "minimax-m2.5", "--batch", "0"], "--batch must be >= 1"),
-        (["inspect", "llama-7b"], "invalid choice"),
-        (["inspect", "minimax-m2.5", "--size", "huge"], "invalid choice"),
-    ],
-)
-def test_bad_arguments_exit_2_with_a_clear_message(argv, message):
+BAD_ARGUMENTS = [
+    (["inspect"], "exactly one of MODEL or --hf-config"),
+    (["inspect", "minimax-m2.5", "--hf-config", "x.json"], "exactly one of MODEL or --hf-config"),
+    (["inspect", "--hf-config", "/no/such/file.json"], "not found"),
+    (["inspect", "minimax-m2.5", "--layers", "0"], "--layers must be >= 1"),
+    (["inspect", "minimax-m2.5", "--batch", "0"], "--batch must be >= 1"),
+    (["inspect", "llama-7b"], "invalid choice"),
+    (["inspect", "minimax-m2.5", "--size", "huge"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS)
+def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
+    # In this process: a fresh interpreter costs ~5 s (torch's import) per case; the one below
+    # checks that `python -m fusion_compiler.cli` turns main's status into the exit status.
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own errors exit 2 from parse_args
+        status = e.code
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_module_entry_point_exits_with_mains_status():
+    argv, message = BAD_ARGUMENTS[3]
     proc = subprocess.run(
         [sys.executable, "-m", "fusion_compiler.cli", *argv], capture_output=True, text=True, timeout=120
     )

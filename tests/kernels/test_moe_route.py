@@ -373,18 +373,19 @@ def test_router_gemm_tie_heavy_matches_reference(c):
 
 
 def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
-    """DeepSeek's routing (256 experts, 8 groups, top-4 groups, top-8) on a narrow hidden, run
-    twice on one pair of counters: the last router must leave them at zero for the next launch."""
+    """DeepSeek's routing (256 experts, 8 groups, top-4 groups, top-8) on a narrow hidden, on
+    a pair of zeroed counters: the last router must leave them at zero for the next launch.
+    (The counters are all the state one launch hands the next, so a second launch would start
+    exactly as this one did.)"""
     counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     monkeypatch.setattr(K, "_counters", lambda device: counters)
     c = dict(tokens=3, experts=256, n_group=8, topk_group=4, top_k=8, scoring=0, has_bias=True, renormalize=True,
              renorm_eps=1e-20, scale=2.5, logits_dtype=torch.float32, weights_dtype=torch.float32, seed=11)
-    for seed in (11, 12):
-        args = router_args({**c, "seed": seed}, 64, duplicate_rows=False)
-        assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-        with fused_up_to(16):
-            assert_router_matches_reference(args)
-        assert counters.tolist() == [0, 0]
+    args = router_args(c, 64, duplicate_rows=False)
+    assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
+    with fused_up_to(16):
+        assert_router_matches_reference(args)
+    assert counters.tolist() == [0, 0]
 
 
 def test_router_gemm_rejects_what_it_cannot_do():

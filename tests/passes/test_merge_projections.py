@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import get_adapter, make_decode_step
 from fusion_compiler.verify import relative_error
+from hf_fixtures import default_decode_run
 
 # Per layer, in graph order. DeepSeek V3.2: q_a / kv_a / indexer wk / indexer weights_proj of
 # the normed hidden state, q_b / the indexer's wq_b of the normed q latent, the shared expert's
@@ -25,22 +25,14 @@ EXPECTED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_hf_projections_merge_per_layer_and_match_eager(name):
-    adapter = get_adapter(name)
-    model = adapter.build_hf(size="tiny", layers=adapter.default_layers)
-    step = make_decode_step(model)
-    eager = step.run(model)
-    torch._dynamo.reset()
-    backend = fc.FusionBackend(fc.FusionConfig(expected=adapter.expected_sites(model), strict=True))
-    compiled = torch.compile(model, backend=backend)
-    fused = step.run(compiled)
-    assert backend.report.merged_projections() == EXPECTED[name]
-    assert relative_error(fused, eager) < 2e-2
+    run = default_decode_run(name)
+    assert run.report.merged_projections() == EXPECTED[name]
+    assert relative_error(run.fused, run.eager) < 2e-2
     # The first call moved the weights into merged buffers; the parameters still hold their
     # values, and the next call neither recompiles nor changes the result.
-    again = step.run(compiled)
-    assert backend.compiles == 1
-    torch.testing.assert_close(again, fused)
-    assert relative_error(step.run(model), eager) < 1e-6
+    assert run.compiles == 1
+    torch.testing.assert_close(run.again, run.fused)
+    assert relative_error(run.eager_step.fresh().run(run.model), run.eager) < 1e-6
 
 
 class _NearMisses(torch.nn.Module):

@@ -19,42 +19,22 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import get_adapter, make_decode_step
 from fusion_compiler.model_adapters.minimax_m2 import reference as minimax
 from fusion_compiler.model_adapters.qwen35 import reference as qwen
 from fusion_compiler.patterns import add_rms_norm, gqa_prologue, mla_prologue
 from fusion_compiler.verify import relative_error
 from gqa_fixtures import assert_missed, compile_beside_eager, prologue_inputs
+from hf_fixtures import default_decode_run
 
 FAMILY = "gqa_prologue"
 FP8 = torch.float8_e4m3fn
 
 
-def _run_hf(name: str, layers: int):
-    adapter = get_adapter(name)
-    model = adapter.build_hf(size="tiny", layers=layers, dtype=torch.bfloat16)
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=adapter.expected_sites(model)))
-    eager_step, fused_step = make_decode_step(model), make_decode_step(model)
-    eager = eager_step.run(model)
-    fused = fused_step.run(torch.compile(model, backend=backend))
-    return dict(report=backend.report, eager=eager, fused=fused, eager_step=eager_step, fused_step=fused_step)
-
-
-@pytest.fixture(scope="module")
-def hf_minimax():
-    return _run_hf("minimax-m2.5", 2)
-
-
-@pytest.fixture(scope="module")
-def hf_qwen():
-    return _run_hf("qwen3.5", 4)
-
-
 def _assert_hf_caches(run, attention_layers):
     """The new position's K/V rows close to eager's; every other cache byte unchanged."""
-    position = run["eager_step"].context
+    position = run.eager_step.context
     for i in attention_layers:
-        eager_layer, fused_layer = run["eager_step"].cache.layers[i], run["fused_step"].cache.layers[i]
+        eager_layer, fused_layer = run.eager_step.cache.layers[i], run.fused_cache.layers[i]
         for eager_cache, fused_cache in ((eager_layer.keys, fused_layer.keys), (eager_layer.values, fused_layer.values)):
             others = torch.ones(eager_cache.shape[2], dtype=torch.bool)
             others[position] = False
@@ -62,25 +42,27 @@ def _assert_hf_caches(run, attention_layers):
             assert relative_error(fused_cache[:, :, position], eager_cache[:, :, position]) < 1e-2
 
 
-def test_hf_minimax_every_layer_fuses_its_prologue(hf_minimax):
-    report = hf_minimax["report"]
+def test_hf_minimax_every_layer_fuses_its_prologue():
+    run = default_decode_run("minimax-m2.5")
+    report = run.report
     assert report.misses() == [], report.format()
     assert report.missing_expected() == []
     assert report.expected_per_layer(FAMILY) == {0: 1, 1: 1}
     assert report.per_variant()["minimax.hf"] == 2
     # The q/k norms went into the prologue: no RoPE is left for the MLA family to report.
     assert report.sites and not [s for s in report.sites if s.family == "mla_prologue"]
-    assert relative_error(hf_minimax["fused"], hf_minimax["eager"]) < 2e-2
-    _assert_hf_caches(hf_minimax, (0, 1))
+    assert relative_error(run.fused, run.eager) < 2e-2
+    _assert_hf_caches(run, (0, 1))
 
 
-def test_hf_qwen_every_full_attention_layer_fuses_its_prologue(hf_qwen):
-    report = hf_qwen["report"]
+def test_hf_qwen_every_full_attention_layer_fuses_its_prologue():
+    run = default_decode_run("qwen3.5")
+    report = run.report
     assert report.misses(FAMILY) == [] and report.missing_expected() == [], report.format()
     assert report.expected_per_layer(FAMILY) == {3: 1}
     assert report.per_variant()["qwen.hf"] == 1
-    assert relative_error(hf_qwen["fused"], hf_qwen["eager"]) < 2e-2
-    _assert_hf_caches(hf_qwen, (3,))
+    assert relative_error(run.fused, run.eager) < 2e-2
+    _assert_hf_caches(run, (3,))
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.model_adapters import make_decode_step
 from fusion_compiler.model_adapters.deepseek_v32 import reference as ref
 from fusion_compiler.module_paths import layer_of
 from fusion_compiler.verify import relative_error
+from hf_fixtures import default_decode_run
 
 FAMILY = "mla_prologue"
 SITES_PER_LAYER = {"kv", "index_k", "q", "index_q"}
@@ -94,18 +95,12 @@ def test_reference_layer0_cache_bytes_equal_eager_and_untouched_slots_unchanged(
 
 @pytest.fixture(scope="module")
 def hf_run():
-    adapter = get_adapter("deepseek-v3.2")
-    model = adapter.build_hf(size="tiny", layers=2, dtype=torch.bfloat16)
-    # Strict against the adapter's expectations: any expected site left unfused raises.
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=adapter.expected_sites(model)))
-    torch._dynamo.reset()
-    eager = make_decode_step(model).run(model)
-    fused = make_decode_step(model).run(torch.compile(model, backend=backend))
-    return dict(report=backend.report, eager=eager, fused=fused)
+    # Strict against the adapter's expectations (2 layers): any expected site left unfused raises.
+    return default_decode_run("deepseek-v3.2")
 
 
 def test_hf_every_layer_fuses_its_four_sites(hf_run):
-    report = hf_run["report"]
+    report = hf_run.report
     assert report.misses(FAMILY) == [] and report.misses("add_rms_norm") == [], report.format()
     assert len(report.graphs) == 1
     assert report.missing_expected() == []
@@ -123,7 +118,7 @@ def test_hf_every_layer_fuses_its_four_sites(hf_run):
 def test_hf_indexer_top_k_mask_fuses_once_per_layer(hf_run):
     """passes/dsa_topk_mask.py on HF's indexer + the attention's scatter (context 16 > the tiny
     index_topk 8, so the mask drops keys); the logits test below covers its numbers."""
-    report = hf_run["report"]
+    report = hf_run.report
     indexers = {"model.layers.0.self_attn.indexer": 1, "model.layers.1.self_attn.indexer": 1}
     assert report.per_module("dsa_topk_mask") == indexers, report.format()
     assert report.count("dsa_topk_mask", "bool_mask") == 2
@@ -131,7 +126,7 @@ def test_hf_indexer_top_k_mask_fuses_once_per_layer(hf_run):
 
 
 def test_hf_logits_match_eager(hf_run):
-    assert relative_error(hf_run["fused"], hf_run["eager"]) < 2e-2
+    assert relative_error(hf_run.fused, hf_run.eager) < 2e-2
 
 
 def test_hf_deepseek_v3_fuses_from_its_config_file_alone(tmp_path):

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.model_adapters import get_adapter
 from fusion_compiler.verify import relative_error
+from hf_fixtures import default_decode_run
 
 FAMILY = "moe_routing"
 
@@ -60,17 +61,12 @@ def test_every_router_of_the_model_fuses(name):
 
     if name == "qwen3.5" and TORCH_VERSION < (2, 13):
         pytest.skip("torch < 2.13 CPU Inductor crashes compiling tiny Qwen3.5 (stock too)")
-    adapter = get_adapter(name)
-    model = adapter.build_hf(size="tiny", layers=adapter.default_layers, dtype=torch.bfloat16)
-    expected = adapter.expected_sites(model)
-    assert len(expected[FAMILY]) == adapter.default_layers  # every layer is MoE
-    backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected=expected))
-    torch._dynamo.reset()
-    eager = make_decode_step(model).run(model)
-    fused = make_decode_step(model).run(torch.compile(model, backend=backend))
-    report = backend.report
+    layers = get_adapter(name).default_layers
+    run = default_decode_run(name)  # strict against the adapter's expected sites
+    assert len(run.expected[FAMILY]) == layers  # every layer is MoE
+    report = run.report
     assert report.missing_expected() == []
-    assert report.per_module(FAMILY) == expected[FAMILY]
+    assert report.per_module(FAMILY) == run.expected[FAMILY]
     # The MoE block drops the router logits, so every router fuses with its GEMM. (Qwen's
     # shared-expert gate does not join here: at 1 token on CPU, Inductor's mem-bound-mm pass
     # turns its [1, H] x [H, 1] GEMM into mul + sum; test_hf_qwen_moe_block_fuses_its_shared_gate.)
@@ -80,8 +76,8 @@ def test_every_router_of_the_model_fuses(name):
 
     routing_variants = {v.name for v in VARIANTS}
     fused_routers = {v: n for v, n in report.per_variant().items() if v in routing_variants}
-    assert fused_routers == {gemm_form[name]: adapter.default_layers}
-    assert relative_error(fused, eager) < 2e-2
+    assert fused_routers == {gemm_form[name]: layers}
+    assert relative_error(run.fused, run.eager) < 2e-2
 
 
 @pytest.mark.parametrize(
