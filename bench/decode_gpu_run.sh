@@ -26,10 +26,6 @@ run_tests() {  # NAME SECONDS PYTEST-ARGS...
   echo "$name: rc=$? $(tail -n 1 "$R/$name.log")"
   grep -h -E "^FAILED|^E " "$R/$name.log" | cut -c1-300 | head -n 20
 }
-inspect_one() {  # MODEL SECONDS
-  timeout "$2" fusion-compiler inspect "$1" --device cuda --json "$R/inspect_$1_real_cuda.json" > "$R/inspect_$1.log" 2>&1
-  echo "inspect $1: rc=$?"; grep -v -i warn "$R/inspect_$1.log" | cut -c1-300 | tail -n 14
-}
 gated_bench() {  # SECONDS
   timeout "$1" python3 bench/kernels.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
   echo "gated bench: rc=$?"; grep -v -i warn "$R/gated_bench.log" | tail -n 8

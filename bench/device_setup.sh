@@ -1,8 +1,16 @@
 # Sourced by the bench/*_gpu_run.sh scripts: strict shell, an editable install of this checkout
-# (the device is offline: no deps, no build isolation) and one line of versions.
+# (the device is offline: no deps, no build isolation), one line of versions, and inspect_one.
 # Usage: source bench/device_setup.sh DIR   (DIR receives install.log and versions.log)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+SETUP_DIR=$1
 mkdir -p "$1"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$1/install.log" 2>&1 || { cat "$1/install.log"; exit 1; }
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$1/versions.log"
+
+# inspect_one MODEL SECONDS: inspect --device cuda at real widths into DIR (JSON and log), then
+# the log's tail.
+inspect_one() {
+  timeout "$2" fusion-compiler inspect "$1" --device cuda --json "$SETUP_DIR/inspect_$1_real_cuda.json" > "$SETUP_DIR/inspect_$1.log" 2>&1
+  echo "inspect $1: rc=$?"; grep -v -i warn "$SETUP_DIR/inspect_$1.log" | cut -c1-300 | tail -n 14
+}

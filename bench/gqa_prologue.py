@@ -19,6 +19,7 @@ what the region must move (read once, written once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -107,50 +108,53 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _kernel_knobs(**values):
+    """kernels/gqa_prologue.py's module-level knobs set to ``values``, restored on the way out."""
+    from fusion_compiler.kernels import gqa_prologue as kernel
+
+    saved = {name: getattr(kernel, name) for name in values}
+    for name, value in values.items():
+        setattr(kernel, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(kernel, name, value)
+
+
+def _timed(ours, sets, rotations, size, bandwidth, **knobs) -> tuple[float, float]:
+    """(µs, % of HBM) of ours with the kernel's knobs set to ``knobs``."""
+    with torch.no_grad(), _kernel_knobs(**knobs):
+        us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
+    return us, round(100 * size / us / 1e3 / bandwidth, 1)
+
+
 def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list) -> dict:
     """% of HBM by (head-block lanes, warps, grid order, roles): "lanes/warps/order" -> %, order
     "tokens" (every q program first) or "interleaved" (role fastest); with "/kv1" k's program
     also caches v (two roles a token, ``_KV_ONE_PROGRAM``)."""
-    from fusion_compiler.kernels import gqa_prologue as kernel
-
-    saved = kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM
     out = {}
-    try:
-        with torch.no_grad():
-            for lanes, warps, interleaved, kv_one in itertools.product(lanes_list, warps_list, (False, True),
-                                                                       (False, True)):  # fmt: skip
-                kernel._BLOCK_LANES, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM = lanes, interleaved, kv_one
-                kernel.num_warps_for = lambda _lanes, w=warps: w
-                us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
-                order = "interleaved" if interleaved else "tokens"
-                key = f"{lanes}/{warps}/{order}" + ("/kv1" if kv_one else "")
-                out[key] = round(100 * size / us / 1e3 / bandwidth, 1)
-    finally:
-        kernel._BLOCK_LANES, kernel.num_warps_for, kernel._INTERLEAVE_ROLES, kernel._KV_ONE_PROGRAM = saved
+    for lanes, warps, interleaved, kv_one in itertools.product(lanes_list, warps_list, (False, True), (False, True)):
+        key = f"{lanes}/{warps}/{'interleaved' if interleaved else 'tokens'}" + ("/kv1" if kv_one else "")
+        out[key] = _timed(ours, sets, rotations, size, bandwidth, _BLOCK_LANES=lanes, _INTERLEAVE_ROLES=interleaved,
+                          _KV_ONE_PROGRAM=kv_one, num_warps_for=lambda _lanes, w=warps: w)[1]
     return out
 
 
 # Role sets for ``--sweep-roles``: the shipped grid, k's program also caching v ("kv1"), and two
 # diagnostics that skip roles (kernels/gqa_prologue.py ``_ROLES_RUN``; outputs left incomplete)
 # to see which programs set the time.
-ROLE_SETS = {"shipped": {}, "kv1": {"kv_one": True}, "q_only": {"roles": 1}, "kv_only": {"roles": 6}}
+ROLE_SETS = {"shipped": {}, "kv1": {"_KV_ONE_PROGRAM": True}, "q_only": {"_ROLES_RUN": 1},
+             "kv_only": {"_ROLES_RUN": 6}}
 
 
 def _sweep_roles(ours, sets, rotations, size, bandwidth, names) -> dict:
     """µs and % of HBM by role set (``ROLE_SETS``) at the shipped lanes / warps / grid order."""
-    from fusion_compiler.kernels import gqa_prologue as kernel
-
-    saved = kernel._ROLES_RUN, kernel._KV_ONE_PROGRAM
     out = {}
-    try:
-        with torch.no_grad():
-            for name in names:
-                kernel._KV_ONE_PROGRAM = ROLE_SETS[name].get("kv_one", False)
-                kernel._ROLES_RUN = ROLE_SETS[name].get("roles", 7)
-                us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
-                out[name] = {"us": round(us, 2), "pct_bw": round(100 * size / us / 1e3 / bandwidth, 1)}
-    finally:
-        kernel._ROLES_RUN, kernel._KV_ONE_PROGRAM = saved
+    for name in names:
+        us, pct = _timed(ours, sets, rotations, size, bandwidth, **ROLE_SETS[name])
+        out[name] = {"us": round(us, 2), "pct_bw": pct}
     return out
 
 

@@ -23,7 +23,7 @@
 #   pieces    gqa_prologue-11 (rotary halves side by side): tests, the GQA bench at 1-4096 tokens,
 #             and the lanes x warps x order sweep at 4096 tokens
 #   decode    bench/decode.py on the reference layers: MiniMax at batch 1 and 64, Qwen3.5 at 1
-#   inspect MODEL...   inspect at real widths, one model after another
+# (inspect alone at real widths: bash bench/decode_gpu_run.sh inspect MODEL...)
 # Results in $OUT/shared_ops_results.tgz.
 OUT=${OUT:-/tmp/out}
 R=$OUT/shared_ops_results
@@ -41,10 +41,6 @@ bench() {  # NAME SECONDS SCRIPT ARGS...
   echo "$name: rc=$?"; grep -v -i "warn" "$R/$name.log" | cut -c1-300 | tail -n 30
 }
 
-inspect_one() {  # MODEL SECONDS
-  timeout "$2" fusion-compiler inspect "$1" --device cuda --json "$R/inspect_$1_real_cuda.json" > "$R/inspect_$1.log" 2>&1
-  echo "inspect $1: rc=$?"; grep -v -i warn "$R/inspect_$1.log" | cut -c1-300 | tail -n 14
-}
 
 phase=${1:-shared}
 if [ "$phase" = shared ]; then
@@ -103,8 +99,5 @@ elif [ "$phase" = decode ]; then
     --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_minimax.json"
   bench decode_qwen $((380 - SECONDS)) bench/decode.py --sources reference --models qwen3.5 --batches 1 \
     --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_qwen_b1.json"
-elif [ "$phase" = inspect ]; then
-  shift
-  for model in "$@"; do inspect_one "$model" $((585 - SECONDS)); done
 fi
 tar -czf "$OUT/shared_ops_results.tgz" -C "$OUT" shared_ops_results && rm -rf "$R"

@@ -204,8 +204,10 @@ def _trace_key(fn, args, kwargs) -> tuple | None:
         raise _Uncacheable
 
     try:
-        return (fn, meta(list(args)), tuple(sorted((k, id(v)) for k, v in kwargs.items())))
-    except _Uncacheable:
+        key = (fn, meta(list(args)), tuple(sorted(kwargs.items())))  # kwargs: get_decomp_fn and the like
+        hash(key)
+        return key
+    except (_Uncacheable, TypeError):  # TypeError: an unhashable kwarg
         return None
 
 
