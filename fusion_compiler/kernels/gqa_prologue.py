@@ -41,16 +41,19 @@ import triton.language as tl
 from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-11"
+KERNEL_VERSION = "gqa_prologue-12"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
 # token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
 # tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's
-# pieces (session 13 sweep, 4096 tokens): 2048 lanes / 4 warps best for MiniMax (89.4 / 80.5%);
-# Qwen3.5's per-head norm would take 86.6% at 1024 lanes against 77.9-79.2% (not yet the default).
+# pieces (4096 tokens, 4 warps): 2048 lanes best for MiniMax's full-width norm (89.4 / 80.5%,
+# session 13), 1024 for Qwen3.5's per-head norm (86.6 and 85.3% in two runs against 77.4-79.2%
+# at 2048, sessions 13 and 14). ``_BLOCK_LANES`` (None: by norm) is the sweep's override.
 WHOLE_TILES_UP_TO = 256
-_BLOCK_LANES = 2048
+BLOCK_LANES_FULL_WIDTH_NORM = 2048
+BLOCK_LANES_PER_HEAD_NORM = 1024
+_BLOCK_LANES: int | None = None
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
 # tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
 # conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
@@ -73,12 +76,13 @@ def interleave_roles(tokens: int, full_width_norm: bool) -> bool:
     return bool(full_width_norm) and tokens > WHOLE_TILES_UP_TO
 
 
-def heads_per_block(tokens: int, heads: int, d_pad: int) -> int:
+def heads_per_block(tokens: int, heads: int, d_pad: int, full_width_norm: bool) -> int:
     """Heads one program takes at a time, for rows of ``heads`` heads (q's, or k's and v's)."""
     most = triton.next_power_of_2(heads)
     if tokens <= WHOLE_TILES_UP_TO:
         return most
-    return max(1, min(most, _BLOCK_LANES // d_pad))
+    lanes = _BLOCK_LANES or (BLOCK_LANES_FULL_WIDTH_NORM if full_width_norm else BLOCK_LANES_PER_HEAD_NORM)
+    return max(1, min(most, lanes // d_pad))
 
 
 def num_warps_for(lanes: int) -> int:
@@ -294,7 +298,8 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
     rot = 2 * cos.shape[-1]
-    hb_q, hb_kv = heads_per_block(tokens, heads, d_pad), heads_per_block(tokens, kv_heads, d_pad)
+    hb_q = heads_per_block(tokens, heads, d_pad, full_width_norm)
+    hb_kv = heads_per_block(tokens, kv_heads, d_pad, full_width_norm)
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
