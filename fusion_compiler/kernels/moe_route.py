@@ -377,6 +377,7 @@ def _router_gemm_kernel(
     UNROLL: tl.constexpr = False,  # the K_STEPS loop unrolled (static_range) instead of a loop
     W_CACHE: tl.constexpr = "",  # the router weight loads' cache modifier ("", ".cg", ".ca")
     W_EVICT: tl.constexpr = "",  # ... and eviction policy ("", "evict_last", "evict_first")
+    ARRIVE_ONLY: tl.constexpr = False,  # diagnostics (_TAIL_DIAG "arrive"): count arrivals, route nothing
 ):
     """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
     router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
@@ -418,7 +419,10 @@ def _router_gemm_kernel(
         tl.debug_barrier()
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         arrival = tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu")
-        if INTERPRETER:
+        if ARRIVE_ONLY:
+            if arrival == programs - 1:
+                tl.store(COUNTERS, 0)
+        elif INTERPRETER:
             if arrival == programs - 1:
                 for row in tl.static_range(BLOCK_T):
                     _route_row(tl.full([], row, tl.int32), PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
@@ -505,6 +509,10 @@ _GEMM_STAGES: int | None = None
 _UNROLL: bool | None = None
 _GEMV: bool | None = None
 _W_HINTS: tuple[str, str] | None = None
+# Diagnostics for the bench (bench/moe_router_check.py's diag_* variants; outputs left unwritten):
+# "gemm" runs the one launch's GEMM phase alone (partials stored, no arrival, no routing),
+# "arrive" adds the arrival count; the shipped launch minus these is the routing tail's time.
+_TAIL_DIAG: str | None = None
 _MIN_BLOCK_K = 16  # tl.dot's smallest K
 _MAX_SPAN = 1024  # a [16, 1024] bf16 operand pair is 64 KB of shared memory for tl.dot's shuffle
 
@@ -702,6 +710,13 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
     gemm_meta, gemm_options = gemm_variant_meta(block_t)
+    if fused and _TAIL_DIAG is not None:
+        if _TAIL_DIAG not in ("gemm", "arrive"):
+            raise ValueError(f"_TAIL_DIAG must be None, 'gemm' or 'arrive', got {_TAIL_DIAG!r}")
+        gemm_meta["ARRIVE_ONLY"] = _TAIL_DIAG == "arrive"
+        route = _TAIL_DIAG == "arrive"
+    else:
+        route = fused
 
     def _launch():
         _router_gemm_kernel[grid](
@@ -712,7 +727,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
             weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), stride_g,
             float(named["renorm_eps"]), float(named["scale"]),
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
-            FP32_DOT=fp32_dot, ROUTE=fused,
+            FP32_DOT=fp32_dot, ROUTE=route,
             HAS_GATE=has_gate, num_warps=num_warps, **meta, **gemm_meta, **gemm_options,
         )
         if not fused:
