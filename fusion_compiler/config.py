@@ -62,6 +62,10 @@ class FusionConfig:
     merge_projections: GEMMs left after the families that read the same activation (q / k / v,
         a shared expert's gate / up, ...) become one GEMM over the concatenated weights
         (passes/merge_projections.py; the concatenation is made once, on the first call).
+    skinny_gemm: on CUDA, a projection left alone (o_proj, out_proj, a shared expert's down, ...)
+        becomes the same op with one weight, and every such GEMM of at most
+        ``kernels/skinny_gemm.MAX_TOKENS`` rows runs our skinny GEMM kernel (one launch that
+        streams the weight) instead of cuBLAS's split-K GEMM + reduce; larger M runs torch.mm.
     decode_attention: a single-query SDPA over HF's ``repeat_kv`` of a K/V cache reads the cache
         itself, once for all query heads of a K/V head (passes/decode_attention.py).
     dsa_topk_mask: DeepSeek V3.2's DSA indexer scores, top-k and the scatter of its indices into
@@ -83,6 +87,7 @@ class FusionConfig:
     inductor_cache: bool = False
     horizontal_merge: bool = True
     merge_projections: bool = True
+    skinny_gemm: bool = True
     decode_attention: bool = True
     dsa_topk_mask: bool = True
     cudagraphs: bool = True
@@ -138,6 +143,7 @@ class FusionConfig:
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
         key["horizontal_merge"] = self.horizontal_merge
         key["merge_projections"] = self.merge_projections
+        key["skinny_gemm"] = self.skinny_gemm
         key.update({name: getattr(self, name) for name in GRAPH_PASSES})
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

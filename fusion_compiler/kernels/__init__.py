@@ -16,6 +16,7 @@ _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gdn_fla": ("gdn_fla",),  # the family's lowering "fla"
     "decode_attention": ("decode_attention",),
     "dsa_topk_mask": ("dsa_topk_mask",),
+    "merge_projections": ("skinny_gemm",),  # merged_linear's small-M path
 }
 
 

@@ -77,6 +77,21 @@ def round_trip(v, DTYPE: tl.constexpr):
     return upcast(downcast(v, DTYPE))
 
 
+@triton.jit
+def rows_dot_step(acc, w_ptrs, v_ptrs, k0, rows, cols, ROWS, COLS, EVEN: tl.constexpr):
+    """One step of a GEMV over whole weight rows: ``acc`` [BLOCK_N, BLOCK_K] plus
+    w[rows, k0 + cols] * v[k0 + cols] in fp32 (loads masked to ROWS x COLS unless EVEN); the
+    caller sums acc over its last axis once, after the loop."""
+    if EVEN:
+        v = tl.load(v_ptrs + k0)
+        w = tl.load(w_ptrs + k0)
+    else:
+        in_cols = (k0 + cols) < COLS
+        v = tl.load(v_ptrs + k0, mask=in_cols, other=0.0)
+        w = tl.load(w_ptrs + k0, mask=(rows[:, None] < ROWS) & in_cols[None, :], other=0.0)
+    return acc + upcast(w) * upcast(v)[None, :]
+
+
 def mma_pad(n: int) -> int:
     """A tile dim that ``mma`` / tl.dot takes: ``n`` padded to a power of two, at least 16."""
     return max(16, triton.next_power_of_2(n))

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fusion_compiler.kernels._device import downcast as _downcast
-from fusion_compiler.kernels._device import launch_on_device
+from fusion_compiler.kernels._device import launch_on_device, rows_dot_step
 from fusion_compiler.kernels._device import upcast as _upcast
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -191,14 +191,7 @@ def _down_kernel(
         a_ptrs = act_ptr + pair * stride_ap + cols
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
-            if EVEN_N and EVEN_K:
-                a = tl.load(a_ptrs + k0)
-                w = tl.load(w_ptrs + k0)
-            else:
-                col_ok = (k0 + cols) < INTER
-                a = tl.load(a_ptrs + k0, mask=col_ok, other=0.0)
-                w = tl.load(w_ptrs + k0, mask=(rows[:, None] < HIDDEN) & col_ok[None, :], other=0.0)
-            acc += _upcast(w) * _upcast(a)[None, :]
+            acc = rows_dot_step(acc, w_ptrs, a_ptrs, k0, rows, cols, HIDDEN, INTER, EVEN_N and EVEN_K)
         # The expert's GEMM output in the activation dtype, then out.float() * weight, summed in fp32.
         total += _upcast(_downcast(tl.sum(acc, axis=1), DTYPE)) * weight
 

@@ -2,6 +2,10 @@
 
 ``merged_linear(x [M, K], [w_0 [N_0, K], w_1 [N_1, K], ...]) -> x @ cat(w_i)^T  [M, sum N_i]``.
 
+On CUDA with at most ``kernels/skinny_gemm.MAX_TOKENS`` rows the GEMM is our skinny GEMM kernel
+(one launch streaming the weight; cuBLAS takes a split-K GEMM and a reduce kernel there), else
+torch.mm. A lone projection is this op with one weight (``FusionConfig.skinny_gemm``).
+
 The first call with a set of weights concatenates them into one buffer and makes each weight a
 view of its rows there (``w.data = merged[rows]``): the module's parameters then live in the
 merged buffer, so the merge costs no memory after that call and an in-place update of a weight
@@ -56,7 +60,14 @@ def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.library.custom_op("fusion_compiler::merged_linear", mutates_args=())
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    return torch.mm(x, merged_weight(weights).t())
+    weight = merged_weight(weights)
+    if x.is_cuda:
+        # Imported lazily: only CUDA needs triton (and TRITON_INTERPRET must be set before it).
+        from ..kernels import skinny_gemm as skinny
+
+        if skinny.supports(x, weight):
+            return skinny.skinny_gemm(x, weight)
+    return torch.mm(x, weight.t())
 
 
 @merged_linear.register_fake

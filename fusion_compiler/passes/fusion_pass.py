@@ -84,7 +84,9 @@ class FusionPass(_compat.CustomGraphPass):
             if getattr(self.config, name):
                 graph_report.sites.extend(GRAPH_PASS_RUNS[name](graph))
         if self.config.merge_projections:
-            graph_report.merged_projections = merge_projections(graph)
+            graph_report.merged_projections, graph_report.skinny_projections = merge_projections(
+                graph, ("cuda",) if self.config.skinny_gemm else ()
+            )
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -137,6 +139,8 @@ class FusionPass(_compat.CustomGraphPass):
             log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
         if graph_report.merged_projections:
             log.info("  merged projections of one activation into one GEMM: groups of %s", graph_report.merged_projections)
+        if graph_report.skinny_projections:
+            log.info("  %d lone projection(s) on the skinny GEMM path at small M", graph_report.skinny_projections)
         if graph_report.folded_rope_gathers:
             log.info("  folded the RoPE table gather into %d gqa prologue(s)", graph_report.folded_rope_gathers)
         if graph_report.folded_tp_divisions:
@@ -163,7 +167,7 @@ def pass_uuid(config: FusionConfig) -> str:
     from .. import kernels
 
     # The graph passes outside the families (a family's kernel version is hashed below).
-    for name in GRAPH_PASSES:
+    for name in (*GRAPH_PASSES, "merge_projections"):
         if getattr(config, name):
             digest.update(f"{name}:{kernels.KERNEL_VERSIONS.get(name, '')}".encode())
     for name in config.enabled_families():

@@ -10,7 +10,9 @@ consumers read a slice of the merged output, a view.
 Keyed on the graph, not on module names: any ``mm`` whose second operand is a transposed weight
 (a placeholder or a constant, 2-D) joins the group of the activation it reads, where the
 activation is the same node or the same reshape of the same node (HF reshapes the normed hidden
-state once per projection). Groups of one are left alone.
+state once per projection). Groups of one are left alone, except on the devices in
+``single_devices`` (CUDA with ``FusionConfig.skinny_gemm``): there a lone projection becomes the
+op with one weight too, whose small-M path is our skinny GEMM kernel (kernels/skinny_gemm.py).
 """
 
 from __future__ import annotations
@@ -48,19 +50,22 @@ def _activation_key(x: torch.fx.Node) -> tuple:
     return (x, None)
 
 
-def merge_projections(graph: torch.fx.Graph) -> list[int]:
-    """Merge each group of two or more projections of one activation; returns the group sizes."""
+def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = ()) -> tuple[list[int], int]:
+    """Merge each group of two or more projections of one activation, and make each lone projection
+    on a device in ``single_devices`` the op with one weight; returns (the merged group sizes, the
+    number of lone projections made ops)."""
     groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.mm.default:
             weight = _weight_of(node.args[1])
             if weight is not None:
                 groups[_activation_key(node.args[0])].append((node, weight))
-    merged = []
+    merged, singles = [], 0
     for members in groups.values():
         # Same dtype and reduction width: one GEMM; anything else stays as it is.
         dtypes = {(w.meta["val"].dtype, w.meta["val"].shape[1], mm.meta["val"].dtype) for mm, w in members}
-        if len(members) < 2 or len(dtypes) != 1:
+        single = len(members) == 1 and members[0][0].meta["val"].device.type in single_devices
+        if (len(members) < 2 and not single) or len(dtypes) != 1:
             continue
         first, x = members[0][0], members[0][0].args[0]
         weights = [w for _, w in members]
@@ -76,5 +81,8 @@ def merge_projections(graph: torch.fx.Graph) -> list[int]:
                 mm.replace_all_uses_with(piece)
         for mm, _ in members:  # after the insertions: they are placed relative to the first
             graph.erase_node(mm)
-        merged.append(len(members))
-    return merged
+        if single:
+            singles += 1
+        else:
+            merged.append(len(members))
+    return merged, singles

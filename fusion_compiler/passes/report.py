@@ -41,6 +41,8 @@ class GraphReport:
     fused_tp_variances: int = 0
     # Sizes of the groups of GEMMs of one activation merged into one (passes/merge_projections.py).
     merged_projections: list[int] = dataclasses.field(default_factory=list)
+    # Lone projections made the op with one weight (its small-M path is the skinny GEMM kernel).
+    skinny_projections: int = 0
     # Where the graph was compiled when not by our own backend, e.g. "vllm 0.33.0, compile
     # range [1, 8]" (integrations/vllm.py); empty for our backend.
     pipeline: str = ""
@@ -125,6 +127,9 @@ class MatchReport:
     def merged_projections(self) -> list[int]:
         return [n for g in self.graphs for n in g.merged_projections]
 
+    def skinny_projections(self) -> int:
+        return sum(g.skinny_projections for g in self.graphs)
+
     def folded_tp_divisions(self) -> int:
         return sum(g.folded_tp_divisions for g in self.graphs)
 
@@ -138,6 +143,7 @@ class MatchReport:
             "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
             "folded_rope_gathers": self.folded_rope_gathers(),
             "merged_projections": self.merged_projections(),
+            "skinny_projections": self.skinny_projections(),
             "folded_tp_divisions": self.folded_tp_divisions(),
             "fused_tp_variances": self.fused_tp_variances(),
             "matches": self.per_variant(),
@@ -154,6 +160,8 @@ class MatchReport:
         if self.merged_projections():
             lines.append(f"  merged {sum(self.merged_projections())} GEMMs of shared activations into "
                          f"{len(self.merged_projections())} (groups of {self.merged_projections()})")
+        if self.skinny_projections():
+            lines.append(f"  {self.skinny_projections()} lone projection(s) on the skinny GEMM path at small M")
         if self.folded_rope_gathers():
             lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
         if self.folded_tp_divisions():

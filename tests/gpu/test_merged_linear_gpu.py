@@ -1,5 +1,5 @@
-"""GPU tier: merged_linear on CUDA: one GEMM launch, merged on an eager call, refused inside a
-capture that comes first."""
+"""GPU tier: merged_linear on CUDA: one GEMM launch (at one row our skinny GEMM kernel), merged on
+an eager call, refused inside a capture that comes first."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def test_one_gemm_after_the_merge_and_replays_in_a_graph():
     expected = ops.merged_linear_reference(x.float(), [w.detach().float() for w in weights])
     torch.ops.fusion_compiler.merged_linear(x, weights)  # merges
     kernels = count_cuda_kernels(lambda: torch.ops.fusion_compiler.merged_linear(x, weights))
-    assert kernels.count <= 2, kernels.names  # one GEMM (cuBLAS may add its split-K reduce)
+    assert kernels.count == 1 and any("skinny" in name for name in kernels.names), kernels.names  # M = 1: our kernel
+    wider = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)  # above MAX_TOKENS: cuBLAS (+ its split-K reduce)
+    assert 1 <= count_cuda_kernels(lambda: torch.ops.fusion_compiler.merged_linear(wider, weights)).count <= 2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.fusion_compiler.merged_linear(x, weights)

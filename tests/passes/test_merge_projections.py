@@ -72,3 +72,35 @@ def test_off_leaves_every_gemm():
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(3, 64), torch.randn(3, 64))
     assert backend.report.merged_projections() == []
+
+
+def _projections(x, y, wq, wk, wo, wd):
+    """q / k of x (a group), a lone projection of y, and an fp64 one of a converted weight (no
+    placeholder weight: not a projection)."""
+    return x @ wq.t(), x @ wk.t(), y @ wo.t(), x.double() @ wd.double().t()
+
+
+def _traced_projections():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gen = torch.Generator().manual_seed(4)
+    args = (torch.randn(2, 32, generator=gen), torch.randn(1, 48, generator=gen), torch.randn(16, 32, generator=gen),
+            torch.randn(8, 32, generator=gen), torch.randn(32, 48, generator=gen), torch.randn(8, 32, generator=gen))  # fmt: skip
+    return make_fx(_projections, tracing_mode="fake")(*args), args
+
+
+@pytest.mark.parametrize("single_devices, singles", [((), 0), (("cpu",), 1), (("cuda",), 0)])
+def test_lone_projections_become_the_op_only_on_the_named_devices(single_devices, singles):
+    """FusionConfig.skinny_gemm passes ("cuda",): a lone projection there becomes merged_linear
+    with one weight (the skinny GEMM path); elsewhere nothing changes, nor does a GEMM whose
+    second operand is not a transposed weight."""
+    from fusion_compiler.passes.merge_projections import merge_projections
+
+    gm, args = _traced_projections()
+    merged, lone = merge_projections(gm.graph, single_devices)
+    gm.recompile()
+    assert (merged, lone) == ([2], singles)
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.fusion_compiler.merged_linear.default]
+    assert sorted(len(n.args[1]) for n in ops) == sorted([2] + [1] * singles)
+    for out, ref in zip(gm(*args), _projections(*args), strict=True):
+        torch.testing.assert_close(out, ref)
