@@ -105,6 +105,10 @@ GEMM_VARIANTS = {
     "w1_rounds": {"_GEMM_WARPS": 1, "_SELECT": 0},
     "w1_regs": {"_GEMM_WARPS": 1, "_TAIL_LOADS": 1},
     "w2_rounds": {"_GEMM_WARPS": 2, "_SELECT": 0},
+    # Session 14's offline SASS reading (bench/NOTES.md): the tail's partial loads return in
+    # dependent waves under ptxas's register reuse; a register cap lets them issue together.
+    "maxnreg128": {"_MAXNREG": 128},
+    "maxnreg160": {"_MAXNREG": 160},
     # Diagnostics, the shipped shape cut short (outputs unwritten, so unchecked): the GEMM phase
     # alone, then with the arrival count; shipped minus these is the routing tail.
     "diag_gemm": {"_TAIL_DIAG": "gemm"},

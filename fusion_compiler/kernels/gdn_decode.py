@@ -95,50 +95,87 @@ def _softplus(x):
 @triton.jit
 def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
                    C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                   W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr):
+                   W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                   TAPS: tl.constexpr):
     """Conv + SiLU of channels [chan0, chan0 + count) of one sequence: returns (the activations
-    in fp32, rounded to ACT_DTYPE, [C_PAD]; the shifted conv-state window in fp32 [C_PAD, W_PAD]).
-    ``STATE`` points at the sequence's conv-state slot. Loads only; the caller stores."""
+    in fp32, rounded to ACT_DTYPE, [C_PAD]; the shifted conv-state window in fp32 [C_PAD, W_PAD],
+    or with TAPS its W columns as a tuple of [C_PAD] vectors). ``STATE`` points at the sequence's
+    conv-state slot. Loads only; the caller stores (``_store_window``, the same TAPS)."""
     c = tl.arange(0, C_PAD)
     cmask = (c < count) & live
-    chan = (chan0 + c)[:, None]
-    x = round_trip(upcast(tl.load(X_ROW + chan0 + c, mask=cmask, other=0.0)), CONV_DTYPE)
-    i = tl.arange(0, K_PAD)[None, :]
-    # Tap i < K - 1 reads state column W - K + 1 + i; tap K - 1 is the new column.
-    taps = tl.load(STATE + chan * stride_cs_c + (W - K + 1 + i) * stride_cs_w,
-                   mask=cmask[:, None] & (i < K - 1), other=0.0)
-    taps = tl.where(i == K - 1, x[:, None], round_trip(upcast(taps), CONV_DTYPE))
-    w = upcast(tl.load(W_PTR + chan * stride_w_c + i * stride_w_k, mask=cmask[:, None] & (i < K), other=0.0))
-    conv = round_trip(tl.sum(taps * w, axis=1), CONV_DTYPE)
-    act = round_trip(round_trip(_silu(conv), CONV_DTYPE), ACT_DTYPE)
-    # New window: column j takes old column j + 1, the last one the new column.
-    j = tl.arange(0, W_PAD)[None, :]
-    shifted = tl.load(STATE + chan * stride_cs_c + (j + 1) * stride_cs_w,
-                      mask=cmask[:, None] & (j < W - 1), other=0.0)
-    window = tl.where(j == W - 1, x[:, None], round_trip(upcast(shifted), CONV_DTYPE))
+    if TAPS:  # (an early return would not do: the compiler unifies every return's type)
+        act, window = _conv_taps(X_ROW, STATE, W_PTR, chan0 + c, cmask, stride_cs_c, stride_cs_w, stride_w_c,
+                                 stride_w_k, K, W, CONV_DTYPE, ACT_DTYPE)
+    else:
+        chan = (chan0 + c)[:, None]
+        x = round_trip(upcast(tl.load(X_ROW + chan0 + c, mask=cmask, other=0.0)), CONV_DTYPE)
+        i = tl.arange(0, K_PAD)[None, :]
+        # Tap i < K - 1 reads state column W - K + 1 + i; tap K - 1 is the new column.
+        taps = tl.load(STATE + chan * stride_cs_c + (W - K + 1 + i) * stride_cs_w,
+                       mask=cmask[:, None] & (i < K - 1), other=0.0)
+        taps = tl.where(i == K - 1, x[:, None], round_trip(upcast(taps), CONV_DTYPE))
+        w = upcast(tl.load(W_PTR + chan * stride_w_c + i * stride_w_k, mask=cmask[:, None] & (i < K), other=0.0))
+        conv = round_trip(tl.sum(taps * w, axis=1), CONV_DTYPE)
+        act = round_trip(round_trip(_silu(conv), CONV_DTYPE), ACT_DTYPE)
+        # New window: column j takes old column j + 1, the last one the new column.
+        j = tl.arange(0, W_PAD)[None, :]
+        shifted = tl.load(STATE + chan * stride_cs_c + (j + 1) * stride_cs_w,
+                          mask=cmask[:, None] & (j < W - 1), other=0.0)
+        window = tl.where(j == W - 1, x[:, None], round_trip(upcast(shifted), CONV_DTYPE))
     return act, window
 
 
 @triton.jit
+def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
+               K: tl.constexpr, W: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr):
+    """_conv_channels for K == W == 4 as per-tap [C] vectors, not a [C, K_PAD] tile. Session 14's
+    offline sm_90 SASS (bench/NOTES.md): the tile is reshuffled through shared memory between the
+    x load and the taps' load, and ptxas moves no load above that bar.sync, so every conv costs two
+    dependent round trips more; vectors keep the loads together (model: -0.3 to -1.7 us at one
+    sequence). Not yet timed on the GPU: ``_CONV_TAPS`` turns it on."""
+    tl.static_assert(K == 4 and W == 4)
+    x = round_trip(upcast(tl.load(X_ROW + chan, mask=cmask, other=0.0)), CONV_DTYPE)
+    s = STATE + chan * stride_cs_c  # with W == K, tap i < K - 1 is state column i + 1
+    t1 = round_trip(upcast(tl.load(s + stride_cs_w, mask=cmask, other=0.0)), CONV_DTYPE)
+    t2 = round_trip(upcast(tl.load(s + 2 * stride_cs_w, mask=cmask, other=0.0)), CONV_DTYPE)
+    t3 = round_trip(upcast(tl.load(s + 3 * stride_cs_w, mask=cmask, other=0.0)), CONV_DTYPE)
+    w = W_PTR + chan * stride_w_c
+    w0 = upcast(tl.load(w, mask=cmask, other=0.0))
+    w1 = upcast(tl.load(w + stride_w_k, mask=cmask, other=0.0))
+    w2 = upcast(tl.load(w + 2 * stride_w_k, mask=cmask, other=0.0))
+    w3 = upcast(tl.load(w + 3 * stride_w_k, mask=cmask, other=0.0))
+    conv = round_trip((t1 * w0 + t3 * w2) + (t2 * w1 + x * w3), CONV_DTYPE)  # the tile's tl.sum pairing
+    act = round_trip(round_trip(_silu(conv), CONV_DTYPE), ACT_DTYPE)
+    return act, (t1, t2, t3, x)  # the new window: old columns 1..3, then the new column
+
+
+@triton.jit
 def _store_window(STATE, window, chan0, count, mask, stride_cs_c, stride_cs_w,
-                  C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr):
-    c = tl.arange(0, C_PAD)[:, None]
-    j = tl.arange(0, W_PAD)[None, :]
-    tl.store(STATE + (chan0 + c) * stride_cs_c + j * stride_cs_w, downcast(window, STATE.dtype.element_ty),
-             mask=mask & (c < count) & (j < W))
+                  C_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, TAPS: tl.constexpr):
+    if TAPS:
+        c = tl.arange(0, C_PAD)
+        keep = mask & (c < count)
+        s = STATE + (chan0 + c) * stride_cs_c
+        for j in tl.static_range(W):
+            tl.store(s + j * stride_cs_w, downcast(window[j], STATE.dtype.element_ty), mask=keep)
+    else:
+        c = tl.arange(0, C_PAD)[:, None]
+        j = tl.arange(0, W_PAD)[None, :]
+        tl.store(STATE + (chan0 + c) * stride_cs_c + j * stride_cs_w, downcast(window, STATE.dtype.element_ty),
+                 mask=mask & (c < count) & (j < W))
 
 
 @triton.jit
 def _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, valid, stride_cs_c, stride_cs_w, stride_w_c,
                  stride_w_k, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
                  K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr,
-                 ACT: tl.constexpr):
+                 ACT: tl.constexpr, TAPS: tl.constexpr):
     """One block's loads: the state columns [v0, v0 + BV) of the head [DK_PAD, BV], and the
     conv + SiLU of the same v channels (activations, shifted window). All masked off unless valid."""
     vv = v0 + tl.arange(0, BV)[None, :]
     state = tl.load(s_row + vv, mask=(kk < DK) & (vv < DV) & valid, other=0.0)
     v, v_win = _conv_channels(x_row, cs, CONV_W, v_chan_base + v0, tl.minimum(DV - v0, BV), valid, stride_cs_c,
-                              stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+                              stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, TAPS)
     return state, v, v_win
 
 
@@ -190,6 +227,7 @@ def _gdn_decode_kernel(
     BV: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
     ACT: tl.constexpr, CONV_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
+    CONV_TAPS: tl.constexpr = False,  # the conv as per-tap vectors (_conv_taps; K == W == 4)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -215,7 +253,7 @@ def _gdn_decode_kernel(
     v_chan_base = 2 * key_width + h * DV  # this head's v channels along conv_dim
     v0 = part * CHUNKS * BV
     state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live, stride_cs_c, stride_cs_w,
-                                   stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+                                   stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
     z = upcast(tl.load(Z + t * stride_z + norm_heads * DV + d, mask=dmask & live, other=0.0))
     norm_w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
     b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
@@ -226,9 +264,9 @@ def _gdn_decode_kernel(
     # q and k of this program's key head: conv ([q | k | v] along conv_dim), l2norm, q's scale.
     # Their shifted windows are stored at the end, by the key head's last program.
     q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, DK, live, stride_cs_c, stride_cs_w, stride_w_c,
-                              stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+                              stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
     k, k_win = _conv_channels(x_row, cs, CONV_W, key_width + kh * DK, DK, live, stride_cs_c, stride_cs_w,
-                              stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT)
+                              stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
     q = tl.math.div_rn(_l2norm(q, qk_eps), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
     k = _l2norm(k, qk_eps)
 
@@ -249,7 +287,7 @@ def _gdn_decode_kernel(
         tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
         tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
         _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w, BV,
-                      W, W_PAD)
+                      W, W_PAD, CONV_TAPS)
     else:
         o = tl.zeros([BV], dtype=tl.float32)
         for c in range(0, CHUNKS):
@@ -258,13 +296,13 @@ def _gdn_decode_kernel(
             tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
             tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
             _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w,
-                          BV, W, W_PAD)
+                          BV, W, W_PAD, CONV_TAPS)
             if CHUNKS * SPLIT > 1:  # o of a split row goes through OUT (exact: OUT has o's dtype)
                 tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
             v0 = v0 + BV
             state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live & (c + 1 < CHUNKS),
                                            stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD,
-                                           W, W_PAD, CONV_DTYPE, ACT)
+                                           W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
 
     # Gated RMSNorm over each head's DV values, and the key head's q/k conv windows. The RATIO *
     # SPLIT programs of a key head all read its q/k windows, so one of them, the last to arrive on
@@ -294,8 +332,8 @@ def _gdn_decode_kernel(
         o = upcast(tl.load(out_rows, mask=dmask & writer, other=0.0, cache_modifier=".cg"))
         y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE)
         tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & writer)  # padding rows: zeros stored
-    _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
-    _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD)
+    _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD, CONV_TAPS)
+    _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD, CONV_TAPS)
     if readers > 1:
         tl.store(COUNTERS + t * key_heads + kh, 0, mask=writer)
 
@@ -327,6 +365,11 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     # fastest at 2 warps (28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, session 6).
     warps = 2 if block_v == 32 and split <= 2 else 4
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
+
+
+# A/B knob for the bench (bench/gdn_decode.py --conv-taps): the conv as per-tap vectors where the
+# kernel and the state width are 4 (``_conv_taps``). Off until timed on the GPU.
+_CONV_TAPS = False
 
 
 # Arrival counters per device, one per (row, key head). The last
@@ -403,7 +446,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             SPLIT=tile.split,
             K=kernel, K_PAD=triton.next_power_of_2(kernel), W=width, W_PAD=triton.next_power_of_2(width),
             ACT=_TL_DTYPES[mixed_qkv.dtype], CONV_DTYPE=_TL_DTYPES[conv_weight.dtype], NORM_DTYPE=norm_dtype,
-            num_warps=tile.num_warps,
+            CONV_TAPS=bool(_CONV_TAPS and kernel == width == 4), num_warps=tile.num_warps,
         )
 
     launch_on_device(mixed_qkv, _launch)

@@ -486,6 +486,12 @@ _MAX_SPLIT = 8
 #   _GEMM_WARPS   num_warps of the launch (the routing tail runs in these warps too)
 #   _GEMM_STAGES  num_stages of the launch (software pipelining of the K loop: sm_90 ptxas output of
 #                 the shipped shape has its tiles fetched by cp.async num_stages - 1 steps ahead)
+#   _MAXNREG      the launch's register cap (ptxas -maxrregcount). Session 14's offline sm_90 SASS of the
+#                 1-token tail: ptxas reuses the partial sums' registers, so the last program's SPLIT
+#                 partial loads return in dependent L2 round trips (DeepSeek ~9, MiniMax 4) instead of
+#                 one; with 128 the loads issue together (a model estimate of -2,500 / -1,600 cycles,
+#                 DeepSeek / MiniMax; none for Qwen3.5). Not yet timed on the GPU; ptxas's load
+#                 scheduling moves with unrelated changes, so read the SASS (LDG issue order) too.
 #   _UNROLL       the K loop unrolled (tl.static_range): the steps' loads may issue up front (no
 #                 barrier between the GEMV body's steps; tl.dot's operand shuffle puts a bar.sync
 #                 between steps, which the loads do not cross)
@@ -506,6 +512,7 @@ _BLOCK_K: int | None = None
 _BLOCK_E: int | None = None
 _GEMM_WARPS: int | None = None
 _GEMM_STAGES: int | None = None
+_MAXNREG: int | None = None
 _UNROLL: bool | None = None
 _GEMV: bool | None = None
 _W_HINTS: tuple[str, str] | None = None
@@ -550,6 +557,8 @@ def gemm_variant_meta(block_t: int) -> tuple[dict, dict]:
     cache, evict = (SHIPPED_GEMM["w_hints"] if _W_HINTS is None else _W_HINTS) if small else ("", "")
     meta = dict(GEMV=block_t == 1, UNROLL=bool(small and _UNROLL), W_CACHE=cache, W_EVICT=evict)
     options = {"num_stages": _GEMM_STAGES} if small and _GEMM_STAGES is not None else {}
+    if small and _MAXNREG is not None:
+        options["maxnreg"] = _MAXNREG
     return meta, options
 
 

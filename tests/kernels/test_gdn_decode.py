@@ -166,5 +166,23 @@ def test_counters_are_left_at_zero(block_v, split):
     assert torch.equal(counters, torch.zeros_like(counters))
 
 
+@pytest.mark.parametrize("block_v, split", [(32, 1), (8, 1), (8, 2), (8, 4)])
+def test_conv_as_per_tap_vectors_matches_reference(monkeypatch, block_v, split):
+    """The A/B form of the conv (``_CONV_TAPS``: per-tap vectors where kernel and state width are
+    4) against the reference: conv state bit-equal, recurrent state and output as the tile form,
+    padding rows zero and every other slot untouched; one block a head, several, and split heads."""
+    monkeypatch.setattr(K, "_CONV_TAPS", True)
+    c = dict(tokens=3, key_heads=2, ratio=2, key_dim=16, value_dim=32, kernel=4, extra_width=1,
+             dtype=torch.bfloat16, weight_3d=True, transposed_conv_state=split == 2, seed=7 + split)  # fmt: skip
+    args = _make(c)
+    args[12] = torch.tensor([3, -1, 0], device=DEVICE)
+    before = [args[10].clone(), args[11].clone()]
+    out, ref = _step(args, c["dtype"], _tiling(32, block_v, split))
+    _assert_out_close(out, ref, c["dtype"])
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "padding row"
+    for untouched in (1, 2, 4):
+        assert torch.equal(args[10][untouched], before[0][untouched]) and torch.equal(args[11][untouched], before[1][untouched])
+
+
 def test_kernel_version_registered():
     assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-7"
