@@ -1,0 +1,169 @@
+"""Offline sm_90 (H200) SASS of our Triton kernels, as the launchers would launch them, on a machine
+with no GPU: the tool sessions 13 and 14 rebuilt twice to read where a latency-bound kernel's time
+goes (bench/NOTES.md).
+
+A launcher is called on CPU tensors with its kernel swapped for a recorder, so the grid, arguments
+and constexprs are exactly the launch's; Triton's own binder for the NVIDIA backend then
+specialises them as the runtime would (``tt.divisibility`` 16 on 16-aligned pointers and
+multiples of 16, integers equal to 1 as constexpr 1: without that every access compiles scalar
+and the counts mislead), and ``triton.compile`` targets ("cuda", 90, 32). The Triton wheel's
+``cuobjdump`` disassembles the cubin. Uses Triton 3.6's binder internals
+(``create_function_from_signature``, ``JITFunction._pack_args``): they move between versions.
+
+    python bench/sass_offline.py gdn [--tokens 1] [--conv-taps] [--sass out.sass]
+    python bench/sass_offline.py router --model minimax-m2.5 [--knob _MAXNREG=128] [--sass out.sass]
+
+prints the launch's grid, registers / stack / shared memory, and instruction counts by class
+(all, BAR, SHFL, STS, LDS, LDG, STG, ATOM, MEMBAR); ``--sass`` writes the listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("sass_offline: unset TRITON_INTERPRET (the kernels must compile for the GPU target)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+CLASSES = ("BAR", "SHFL", "STS", "LDS", "LDG", "STG", "ATOMG", "MEMBAR")
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self):
+        self.grid = self.args = self.kwargs = None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grid, self.args, self.kwargs = grid, args, kwargs
+
+        return launch
+
+
+def captured_launch(module, kernel_name: str, call) -> _Recorder:
+    """What ``call()`` (a launcher of ``module``) would launch as ``module.<kernel_name>``."""
+    real, recorder = getattr(module, kernel_name), _Recorder()
+    setattr(module, kernel_name, recorder)
+    try:
+        call()
+    finally:
+        setattr(module, kernel_name, real)
+    if recorder.args is None:
+        raise RuntimeError(f"{kernel_name} was not launched")
+    return recorder
+
+
+def compile_sm90(kernel, args, kwargs):
+    """The compiled kernel for sm_90, specialised by Triton's binder as a launch would be."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {"debug": False, **kwargs}
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    compile_options = {k: v for k, v in kwargs.items() if k in options.__dict__}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=compile_options)
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def summary(compiled) -> dict:
+    sass = _cuobjdump(compiled, "-sass")
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", _cuobjdump(compiled, "-res-usage"))
+    counts = {"instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))}
+    counts.update({c: len(re.findall(rf"\b{c}\b", sass)) for c in CLASSES})
+    return {"registers": int(usage[1]), "stack": int(usage[2]), "shared": int(usage[3]), **counts, "sass": sass}
+
+
+def gdn_launch(tokens: int, conv_taps: bool) -> _Recorder:
+    """gdn_decode at Qwen3.5's dims (16 / 64 heads of 128, conv 4, HF's state width 4)."""
+    from fusion_compiler.kernels import gdn_decode as K
+
+    hk, hv, d, kernel = 16, 64, 128, 4
+    conv_dim, bf16 = 2 * hk * d + hv * d, torch.bfloat16
+    args = [torch.randn(tokens, conv_dim, dtype=bf16), torch.randn(tokens, hv * d, dtype=bf16),
+            torch.randn(tokens, hv, dtype=bf16), torch.randn(tokens, hv, dtype=bf16),
+            torch.randn(conv_dim, 1, kernel, dtype=bf16), torch.rand(hv), torch.randn(hv), torch.randn(d, dtype=bf16),
+            1e-6, 1e-6, torch.randn(tokens + 1, conv_dim, kernel, dtype=bf16), torch.randn(tokens + 1, hv, d, d),
+            torch.arange(tokens)]  # fmt: skip
+    out = torch.empty(tokens, hv * d, dtype=bf16)
+    saved, K._CONV_TAPS = K._CONV_TAPS, conv_taps
+    try:
+        counters = torch.zeros(tokens * hk, dtype=torch.int32)
+        return captured_launch(K, "_gdn_decode_kernel", lambda: K.gdn_decode_fwd(*args, out, counters=counters))
+    finally:
+        K._CONV_TAPS = saved
+
+
+def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
+    """The GEMM-fused router launch (moe_router_fwd) at bench/moe_router_check.py's real widths."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moe_router_check import AB_GATE, MODELS
+
+    from fusion_compiler.kernels import moe_route as K
+    from fusion_compiler.ops import moe_route as ops
+
+    hidden, experts, routing, logits_dtype = MODELS[model]
+    x, w = torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(experts, hidden, dtype=torch.bfloat16)
+    bias = None if routing[3] == 1 else torch.randn(experts)
+    named = dict(zip(ops._ROUTER_ARG_NAMES, (x, w, bias, *routing, logits_dtype)))
+    gate_w = torch.randn(1, hidden, dtype=torch.bfloat16) if model in AB_GATE else None
+    gate = torch.empty(tokens, 1, dtype=torch.bfloat16) if gate_w is not None else None
+    outs = (torch.empty(tokens, experts, dtype=logits_dtype), torch.empty(tokens, named["top_k"], dtype=named["weights_dtype"]),
+            torch.empty(tokens, named["top_k"], dtype=torch.int64))  # fmt: skip
+    saved = {k: getattr(K, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(K, k, v)
+        return captured_launch(K, "_router_gemm_kernel",
+                               lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
+    finally:
+        for k, v in saved.items():
+            setattr(K, k, v)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernel", choices=("gdn", "router"))
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--conv-taps", action="store_true", help="gdn: the per-tap conv (_CONV_TAPS)")
+    parser.add_argument("--model", default="deepseek-v3.2", help="router: deepseek-v3.2, minimax-m2.5 or qwen3.5")
+    parser.add_argument("--knob", action="append", default=[], help="router: NAME=INT, a kernels/moe_route.py knob")
+    parser.add_argument("--sass", help="write the SASS listing here")
+    args = parser.parse_args()
+    if args.kernel == "gdn":
+        launch = gdn_launch(args.tokens, args.conv_taps)
+        from fusion_compiler.kernels.gdn_decode import _gdn_decode_kernel as kernel
+    else:
+        knobs = {k: int(v) for k, v in (item.split("=", 1) for item in args.knob)}
+        launch = router_launch(args.model, args.tokens, knobs)
+        from fusion_compiler.kernels.moe_route import _router_gemm_kernel as kernel
+    result = summary(compile_sm90(kernel, launch.args, launch.kwargs))
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(result["sass"])
+    print(f"grid {tuple(launch.grid)}, num_warps {launch.kwargs.get('num_warps')}")
+    print(", ".join(f"{k} {v}" for k, v in result.items() if k != "sass"))
+
+
+if __name__ == "__main__":
+    main()
