@@ -60,7 +60,9 @@ def merged_weight(weights: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.library.custom_op("fusion_compiler::merged_linear", mutates_args=())
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    weight = merged_weight(weights)
+    # One weight is read where it is: nothing to merge, so never rebound (it may be any 2-D
+    # tensor the graph reads as a weight, even one the caller passed in).
+    weight = weights[0] if len(weights) == 1 else merged_weight(weights)
     if x.is_cuda:
         # Imported lazily: only CUDA needs triton (and TRITON_INTERPRET must be set before it).
         from ..kernels import skinny_gemm as skinny

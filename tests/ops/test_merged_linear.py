@@ -55,3 +55,15 @@ def test_under_inference_mode_the_parameters_stay_normal_tensors():
         torch.ops.fusion_compiler.merged_linear(torch.randn(2, 64), weights)
     assert not weights[0].is_inference()
     weights[0].detach().add_(0)  # still usable outside inference mode
+
+
+def test_one_weight_is_read_in_place_never_rebound():
+    """A lone projection's weight (FusionConfig.skinny_gemm) may be any tensor, even a
+    non-contiguous input: it is read as it is, its storage left alone."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, generator=gen)
+    weight = torch.randn(64, 24, generator=gen).t()  # [24, 64], not contiguous
+    ptr, strides = weight.data_ptr(), weight.stride()
+    out = torch.ops.fusion_compiler.merged_linear(x, [weight])
+    torch.testing.assert_close(out, x @ weight.t())
+    assert weight.data_ptr() == ptr and weight.stride() == strides
