@@ -3,12 +3,27 @@ bandwidth, device facts. Method: ../../shared docs and bench/NOTES.md."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import statistics
 from collections.abc import Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def module_knobs(module, **values):
+    """``module``'s module-level knobs (a kernel module's A/B switches, read at launch) set to
+    ``values`` while inside, restored on the way out."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def device_facts() -> dict:

@@ -247,11 +247,8 @@ def _with_conv_taps(ours):
     made during its capture, so the captured kernel is the per-tap one)."""
 
     def run(**inputs):
-        saved, gdn_kernel._CONV_TAPS = gdn_kernel._CONV_TAPS, True
-        try:
+        with common.module_knobs(gdn_kernel, _CONV_TAPS=True):
             return ours(**inputs)
-        finally:
-            gdn_kernel._CONV_TAPS = saved
 
     return run
 

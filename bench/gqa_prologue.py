@@ -19,7 +19,6 @@ what the region must move (read once, written once).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -108,24 +107,11 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     return result
 
 
-@contextlib.contextmanager
-def _kernel_knobs(**values):
-    """kernels/gqa_prologue.py's module-level knobs set to ``values``, restored on the way out."""
-    from fusion_compiler.kernels import gqa_prologue as kernel
-
-    saved = {name: getattr(kernel, name) for name in values}
-    for name, value in values.items():
-        setattr(kernel, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(kernel, name, value)
-
-
 def _timed(ours, sets, rotations, size, bandwidth, **knobs) -> tuple[float, float]:
     """(µs, % of HBM) of ours with the kernel's knobs set to ``knobs``."""
-    with torch.no_grad(), _kernel_knobs(**knobs):
+    from fusion_compiler.kernels import gqa_prologue as kernel
+
+    with torch.no_grad(), common.module_knobs(kernel, **knobs):
         us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
     return us, round(100 * size / us / 1e3 / bandwidth, 1)
 

@@ -37,7 +37,6 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -143,19 +142,6 @@ def _fused(args, gate_weight=None):
     return weights, ids, logits, gate
 
 
-@contextlib.contextmanager
-def knobs(settings: dict):
-    """kernels/moe_route.py's module knobs set to ``settings`` (read at launch), then restored."""
-    saved = {k: getattr(K, k) for k in settings}
-    try:
-        for k, v in settings.items():
-            setattr(K, k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(K, k, v)
-
-
 def ab_check(args, gate_weight, out) -> dict:
     """One variant's outputs against the routing of its own logits (ulp-level exp/sigmoid
     differences aside, ids must be equal) and its gate against sigmoid of F.linear's."""
@@ -231,7 +217,7 @@ def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None
         for label, settings in variants.items():
             entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
             try:
-                with knobs(settings):
+                with common.module_knobs(K, **settings):
                     entry["launch"] = K.gemm_launch_config(t, a[1].shape[0] + (gate_w is not None), a[0].shape[1])
                     if label.startswith("diag_"):
                         _fused(a, gate_w)

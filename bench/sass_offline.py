@@ -36,6 +36,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 CLASSES = ("BAR", "SHFL", "STS", "LDS", "LDG", "STG", "ATOMG", "MEMBAR")
@@ -105,18 +108,13 @@ def gdn_launch(tokens: int, conv_taps: bool) -> _Recorder:
             torch.randn(conv_dim, 1, kernel, dtype=bf16), torch.rand(hv), torch.randn(hv), torch.randn(d, dtype=bf16),
             1e-6, 1e-6, torch.randn(tokens + 1, conv_dim, kernel, dtype=bf16), torch.randn(tokens + 1, hv, d, d),
             torch.arange(tokens)]  # fmt: skip
-    out = torch.empty(tokens, hv * d, dtype=bf16)
-    saved, K._CONV_TAPS = K._CONV_TAPS, conv_taps
-    try:
-        counters = torch.zeros(tokens * hk, dtype=torch.int32)
+    out, counters = torch.empty(tokens, hv * d, dtype=bf16), torch.zeros(tokens * hk, dtype=torch.int32)
+    with common.module_knobs(K, _CONV_TAPS=conv_taps):
         return captured_launch(K, "_gdn_decode_kernel", lambda: K.gdn_decode_fwd(*args, out, counters=counters))
-    finally:
-        K._CONV_TAPS = saved
 
 
 def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
     """The GEMM-fused router launch (moe_router_fwd) at bench/moe_router_check.py's real widths."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from moe_router_check import AB_GATE, MODELS
 
     from fusion_compiler.kernels import moe_route as K
@@ -130,15 +128,9 @@ def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
     gate = torch.empty(tokens, 1, dtype=torch.bfloat16) if gate_w is not None else None
     outs = (torch.empty(tokens, experts, dtype=logits_dtype), torch.empty(tokens, named["top_k"], dtype=named["weights_dtype"]),
             torch.empty(tokens, named["top_k"], dtype=torch.int64))  # fmt: skip
-    saved = {k: getattr(K, k) for k in knobs}
-    try:
-        for k, v in knobs.items():
-            setattr(K, k, v)
+    with common.module_knobs(K, **knobs):
         return captured_launch(K, "_router_gemm_kernel",
                                lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
-    finally:
-        for k, v in saved.items():
-            setattr(K, k, v)
 
 
 def main() -> None:

@@ -71,13 +71,11 @@ def main() -> None:
             row["speedup"] = row["cublas_us"] / row["skinny_us"]
             if m == 1:
                 shapes = {}
-                saved = (K._BLOCK_N, K._BLOCK_K, K._WARPS)
                 for block_n, block_k, warps in LAUNCH_SHAPES:
-                    K._BLOCK_N, K._BLOCK_K, K._WARPS = block_n, block_k, warps
-                    us = common.graph_time_us(lambda i: K.skinny_gemm(x, copies[i]), len(copies),
-                                              calls_per_graph=len(copies), replays=20)  # fmt: skip
+                    with common.module_knobs(K, _BLOCK_N=block_n, _BLOCK_K=block_k, _WARPS=warps):
+                        us = common.graph_time_us(lambda i: K.skinny_gemm(x, copies[i]), len(copies),
+                                                  calls_per_graph=len(copies), replays=20)  # fmt: skip
                     shapes[f"{block_n}x{block_k}/{warps}w"] = round(us, 2)
-                K._BLOCK_N, K._BLOCK_K, K._WARPS = saved
                 row["skinny_us_by_launch_shape"] = shapes
             print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
             rows.append(row)

@@ -367,8 +367,9 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
 
 
-# A/B knob for the bench (bench/gdn_decode.py --conv-taps): the conv as per-tap vectors where the
-# kernel and the state width are 4 (``_conv_taps``). Off until timed on the GPU.
+# A/B knob (bench/gdn_decode.py's ``ours_taps`` variant; bench/sass_offline.py gdn --conv-taps): the
+# conv as per-tap vectors where the kernel and the state width are 4 (``_conv_taps``). Off until
+# timed on the GPU.
 _CONV_TAPS = False
 
 
