@@ -26,8 +26,8 @@ has no state slots; tests/patterns/test_gdn.py covers HF's decode path).
               back, so it is compared slot for slot with eager.
     ours      torch.compile with the fusion backend, strict, one ``gdn`` site expected
               (lowering "triton": the one-kernel op ``fusion_compiler::gdn_decode``).
-    ours_taps ours with the kernel's conv as per-tap vectors (kernels/gdn_decode.py ``_CONV_TAPS``,
-              session 14's offline SASS proposal; the A/B before it becomes the default)
+    ours_tile ours with the kernel's conv as a [C, K] tile (kernels/gdn_decode.py ``_CONV_TAPS``
+              False), the form before gdn_decode-8 made per-tap vectors the default: the A/B
     ours_fla  the same with the gdn family's lowering "fla" (``fusion_compiler::gdn_decode_fla``:
               fla's three kernels behind the op, the state rows gathered at the slots and
               scattered back around them).
@@ -231,7 +231,7 @@ def build_variants(region, cfg, tokens: int, fla_reason: str | None):
     torch._dynamo.reset()
     backend = fc.FusionBackend(fc.FusionConfig(strict=True, expected={"gdn": {SITE: 1}}, cudagraphs=False))
     variants = {"eager": region, "inductor": torch.compile(region), "ours": torch.compile(region, backend=backend)}
-    variants["ours_taps"] = _with_conv_taps(variants["ours"])
+    variants["ours_tile"] = _with_conv_tile(variants["ours"])
     if fla_reason is None:
         variants["fla"] = FlaCore(region.linear_attn)
         # The gdn family's lowering "fla": the same site, fla's kernels behind our op (slots
@@ -242,12 +242,12 @@ def build_variants(region, cfg, tokens: int, fla_reason: str | None):
     return variants, backend
 
 
-def _with_conv_taps(ours):
-    """``ours`` with the kernel's ``_CONV_TAPS`` on while it runs (a CUDA graph records the launch
-    made during its capture, so the captured kernel is the per-tap one)."""
+def _with_conv_tile(ours):
+    """``ours`` with the kernel's ``_CONV_TAPS`` off while it runs (a CUDA graph records the launch
+    made during its capture, so the captured kernel is the tile one)."""
 
     def run(**inputs):
-        with common.module_knobs(gdn_kernel, _CONV_TAPS=True):
+        with common.module_knobs(gdn_kernel, _CONV_TAPS=False):
             return ours(**inputs)
 
     return run
@@ -267,7 +267,7 @@ def check_row(variants, sets, row, label_prefix: str) -> None:
             if DEVICE == "cpu":
                 traceback.print_exc()
             del variants[label]
-    for label in ("ours", "ours_taps", "inductor", "fla", "ours_fla"):
+    for label in ("ours", "ours_tile", "inductor", "fla", "ours_fla"):
         if label in outputs and "eager" in outputs:
             row[f"{label}_vs_eager"] = compare(*outputs[label], *outputs["eager"])
 
@@ -318,7 +318,7 @@ def main() -> None:
                    if k.endswith(("_kernels", "_us", "_state_pct_bw")) or k.startswith("speedup")}  # fmt: skip
         print(f"T={tokens:4d} {summary}", flush=True)
         print(f"   fused sites: {backend.report.per_variant()}", flush=True)
-        for label in ("ours", "ours_taps", "inductor", "fla", "ours_fla"):
+        for label in ("ours", "ours_tile", "inductor", "fla", "ours_fla"):
             if f"{label}_vs_eager" in row:
                 print(f"   {label} vs eager: { {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row[f'{label}_vs_eager'].items()} }", flush=True)  # fmt: skip
         rows.append(row)

@@ -106,8 +106,19 @@ GEMM_VARIANTS = {
     "w2_rounds": {"_GEMM_WARPS": 2, "_SELECT": 0},
     # Session 14's offline SASS reading (bench/NOTES.md): the tail's partial loads return in
     # dependent waves under ptxas's register reuse; a register cap lets them issue together.
+    # moe_route-15 ships 128 (SHIPPED_GEMM); no_maxnreg is moe_route-14's launch.
+    "no_maxnreg": {"_MAXNREG": 0},
     "maxnreg128": {"_MAXNREG": 128},
     "maxnreg160": {"_MAXNREG": 160},
+    # Session 15 (moe_route-15): the routing tail's forms (kernels/moe_route.py routing_tail). The
+    # shipped tail is int32 logit keys selected per warp without a bias (Qwen3.5), the logit in
+    # the int64 key with one (MiniMax; DeepSeek's fp32 logits keep the reload).
+    "keys64": {"_KEYS": 0},  # moe_route-14's tail without a bias: int64 score keys
+    "reload": {"_TAIL_LOADS": 0},  # ... and with a bias: the picked logits reloaded
+    "select_rounds": {"_SELECT": 0},  # block-wide rounds over the shipped keys
+    "select_topk": {"_SELECT": 1},  # tl.topk over the shipped keys
+    "select_warp": {"_SELECT": 2},  # per-warp rounds + rank merge, also over int64 keys
+    "counters": {"_POLL_ONE_TOKEN": False},  # one token: the arrival counter (moe_route-14's) not polling
     # Diagnostics, the shipped shape cut short (outputs unwritten, so unchecked): the GEMM phase
     # alone, then with the arrival count; shipped minus these is the routing tail.
     "diag_gemm": {"_TAIL_DIAG": "gemm"},

@@ -10,8 +10,9 @@ and the counts mislead), and ``triton.compile`` targets ("cuda", 90, 32). The Tr
 ``cuobjdump`` disassembles the cubin. Uses Triton 3.6's binder internals
 (``create_function_from_signature``, ``JITFunction._pack_args``): they move between versions.
 
-    python bench/sass_offline.py gdn [--tokens 1] [--conv-taps] [--sass out.sass]
+    python bench/sass_offline.py gdn [--tokens 1] [--conv-tile] [--sass out.sass]
     python bench/sass_offline.py router --model minimax-m2.5 [--knob _MAXNREG=128] [--sass out.sass]
+    python bench/sass_offline.py check     # every shipped launch compiles (tests/bench runs it)
 
 prints the launch's grid, registers / stack / shared memory, and instruction counts by class
 (all, BAR, SHFL, STS, LDS, LDG, STG, ATOM, MEMBAR); ``--sass`` writes the listing.
@@ -57,14 +58,24 @@ class _Recorder:
         return launch
 
 
-def captured_launch(module, kernel_name: str, call) -> _Recorder:
-    """What ``call()`` (a launcher of ``module``) would launch as ``module.<kernel_name>``."""
-    real, recorder = getattr(module, kernel_name), _Recorder()
-    setattr(module, kernel_name, recorder)
+def captured_launches(module, kernel_names, call) -> dict[str, _Recorder]:
+    """What ``call()`` (a launcher of ``module``) would launch as each ``module.<name>``: a
+    recorder per name (its ``args`` None where that kernel was not launched)."""
+    reals = {name: getattr(module, name) for name in kernel_names}
+    recorders = {name: _Recorder() for name in kernel_names}
+    for name, recorder in recorders.items():
+        setattr(module, name, recorder)
     try:
         call()
     finally:
-        setattr(module, kernel_name, real)
+        for name, real in reals.items():
+            setattr(module, name, real)
+    return recorders
+
+
+def captured_launch(module, kernel_name: str, call) -> _Recorder:
+    """What ``call()`` (a launcher of ``module``) would launch as ``module.<kernel_name>``."""
+    recorder = captured_launches(module, (kernel_name,), call)[kernel_name]
     if recorder.args is None:
         raise RuntimeError(f"{kernel_name} was not launched")
     return recorder
@@ -97,7 +108,7 @@ def summary(compiled) -> dict:
     return {"registers": int(usage[1]), "stack": int(usage[2]), "shared": int(usage[3]), **counts, "sass": sass}
 
 
-def gdn_launch(tokens: int, conv_taps: bool) -> _Recorder:
+def gdn_launch(tokens: int, conv_tile: bool) -> _Recorder:
     """gdn_decode at Qwen3.5's dims (16 / 64 heads of 128, conv 4, HF's state width 4)."""
     from fusion_compiler.kernels import gdn_decode as K
 
@@ -109,12 +120,23 @@ def gdn_launch(tokens: int, conv_taps: bool) -> _Recorder:
             1e-6, 1e-6, torch.randn(tokens + 1, conv_dim, kernel, dtype=bf16), torch.randn(tokens + 1, hv, d, d),
             torch.arange(tokens)]  # fmt: skip
     out, counters = torch.empty(tokens, hv * d, dtype=bf16), torch.zeros(tokens * hk, dtype=torch.int32)
-    with common.module_knobs(K, _CONV_TAPS=conv_taps):
+    with common.module_knobs(K, _CONV_TAPS=not conv_tile):
         return captured_launch(K, "_gdn_decode_kernel", lambda: K.gdn_decode_fwd(*args, out, counters=counters))
+
+
+ROUTER_KERNELS = ("_router_gemm_kernel", "_moe_route_kernel")
 
 
 def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
     """The GEMM-fused router launch (moe_router_fwd) at bench/moe_router_check.py's real widths."""
+    launch = router_launches(model, tokens, knobs)["_router_gemm_kernel"]
+    if launch.args is None:
+        raise RuntimeError("_router_gemm_kernel was not launched")
+    return launch
+
+
+def router_launches(model: str, tokens: int, knobs: dict) -> dict[str, _Recorder]:
+    """moe_router_fwd's launches (the GEMM launch; above 16 tokens also the routing kernel)."""
     from moe_router_check import AB_GATE, MODELS
 
     from fusion_compiler.kernels import moe_route as K
@@ -129,21 +151,54 @@ def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
     outs = (torch.empty(tokens, experts, dtype=logits_dtype), torch.empty(tokens, named["top_k"], dtype=named["weights_dtype"]),
             torch.empty(tokens, named["top_k"], dtype=torch.int64))  # fmt: skip
     with common.module_knobs(K, **knobs):
-        return captured_launch(K, "_router_gemm_kernel",
-                               lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
+        return captured_launches(K, ROUTER_KERNELS,
+                                 lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
+
+
+def check_shipped() -> int:
+    """Compile every shipped launch of these two kernels for sm_90 (the GDN step at 1 and 64
+    sequences, both conv forms; the router of each model at 1, 2 and 64 tokens, both of its
+    kernels); one line each. Returns the number that failed. The CPU tests run the kernels in
+    Triton's interpreter, which executes the Python and so never compiles a branch it does not
+    take: session 15 lost a device call to an int64 branch compiled for int32 keys."""
+    from moe_router_check import MODELS
+
+    from fusion_compiler.kernels import gdn_decode, moe_route
+
+    cases = [(f"gdn tokens={t}{' tile' if tile else ''}", gdn_decode._gdn_decode_kernel,
+              lambda t=t, tile=tile: {"_gdn_decode_kernel": gdn_launch(t, tile)})
+             for t in (1, 64) for tile in (False, True)]  # fmt: skip
+    cases += [(f"router {m} tokens={t} {name}", getattr(moe_route, name),
+               lambda m=m, t=t, name=name: {name: router_launches(m, t, {})[name]})
+              for m in MODELS for t in (1, 2, 64) for name in ROUTER_KERNELS]  # fmt: skip
+    failures = 0
+    for label, kernel, launch in cases:
+        recorder = next(iter(launch().values()))
+        if recorder.args is None:
+            continue  # this kernel is not launched at this size
+        try:
+            result = summary(compile_sm90(kernel, recorder.args, recorder.kwargs))
+            print(f"ok    {label}: registers {result['registers']}, instructions {result['instructions']}", flush=True)
+        except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
+            failures += 1
+            print(f"FAIL  {label}: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}", flush=True)
+    return failures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=("gdn", "router"))
+    parser.add_argument("kernel", choices=("gdn", "router", "check"),
+                        help="check: compile every shipped launch (check_shipped); exit status 1 if any fails")
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--conv-taps", action="store_true", help="gdn: the per-tap conv (_CONV_TAPS)")
+    parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (_CONV_TAPS False; gdn_decode-7)")
     parser.add_argument("--model", default="deepseek-v3.2", help="router: deepseek-v3.2, minimax-m2.5 or qwen3.5")
     parser.add_argument("--knob", action="append", default=[], help="router: NAME=INT, a kernels/moe_route.py knob")
     parser.add_argument("--sass", help="write the SASS listing here")
     args = parser.parse_args()
+    if args.kernel == "check":
+        sys.exit(1 if check_shipped() else 0)
     if args.kernel == "gdn":
-        launch = gdn_launch(args.tokens, args.conv_taps)
+        launch = gdn_launch(args.tokens, args.conv_tile)
         from fusion_compiler.kernels.gdn_decode import _gdn_decode_kernel as kernel
     else:
         knobs = {k: int(v) for k, v in (item.split("=", 1) for item in args.knob)}

@@ -73,7 +73,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-7"
+KERNEL_VERSION = "gdn_decode-8"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -132,7 +132,8 @@ def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, strid
     offline sm_90 SASS (bench/NOTES.md): the tile is reshuffled through shared memory between the
     x load and the taps' load, and ptxas moves no load above that bar.sync, so every conv costs two
     dependent round trips more; vectors keep the loads together (model: -0.3 to -1.7 us at one
-    sequence). Not yet timed on the GPU: ``_CONV_TAPS`` turns it on."""
+    sequence). Measured (H200, session 15, gdn_decode-8): 7.78 -> 6.87 us at one sequence, 3-8%
+    faster at 8-256 too (bench/NOTES.md); the default where K == W == 4 (``_CONV_TAPS``)."""
     tl.static_assert(K == 4 and W == 4)
     x = round_trip(upcast(tl.load(X_ROW + chan, mask=cmask, other=0.0)), CONV_DTYPE)
     s = STATE + chan * stride_cs_c  # with W == K, tap i < K - 1 is state column i + 1
@@ -367,10 +368,11 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
 
 
-# A/B knob (bench/gdn_decode.py's ``ours_taps`` variant; bench/sass_offline.py gdn --conv-taps): the
-# conv as per-tap vectors where the kernel and the state width are 4 (``_conv_taps``). Off until
-# timed on the GPU.
-_CONV_TAPS = False
+# The conv as per-tap vectors where the kernel and the state width are 4 (``_conv_taps``; the
+# [C, K] tile form elsewhere). gdn_decode-8 made it the default after session 15's H200 A/B
+# (bench/gdn_decode.py, Qwen3.5's dims, CUDA-graph us, tile -> taps): 7.78 -> 6.87 at 1 sequence,
+# 27.8 -> 25.5 at 8, 181.4 -> 173.6 at 64, 707 -> 676 at 256. False restores the tile form (A/B).
+_CONV_TAPS = True
 
 
 # Arrival counters per device, one per (row, key head). The last

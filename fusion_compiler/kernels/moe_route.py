@@ -26,14 +26,21 @@ each; their unbiased scores are then recomputed from the logits gathered at the 
 with the same formula (so bit-identical to the in-register scores), instead of one more
 reduction per round.  Or, by the row's shape (``routing_tail``, measured): all top_k picks by
 tl.topk's bitonic network, and without a bias the picked scores read off their keys in the
-registers (a bias makes the key's score the biased one, so there they are reloaded).
+registers; with a bias and 16-bit logits the picked logit rides in the key's low 16 bits below
+the index, so nothing is reloaded.  Where the score is a monotone function of a 16-bit logit
+alone (no bias, no groups: Qwen3.5's softmax), the keys are int32, ``ordered logit << 16 | (NP -
+1 - expert)``: the top_k are picked per warp (one REDUX a round, no bar.sync) and the warps'
+candidates merged by rank, and only the picked experts' scores are computed.  Their ties differ
+in one documented way: distinct logits whose fp32 scores are equal go to the larger logit.
 
 Launches: ``moe_route_fwd``, one program per token from logits; ``moe_router_fwd``, the router
 GEMM (``_router_gemm_kernel``: the hidden dim split so ~128 programs stream the router weight,
 each its span in one tile: tl.dot, or at one token fp32 multiply-adds; fp32 partial sums) and
 the routing kernel, which sums them; or, up to
 ``FUSED_GEMM_MAX_TOKENS`` tokens, one launch whose last T programs to finish sum them and route
-one token each.
+one token each (an acq_rel arrival counter); at one token, the program with the last id routes
+without any counter, polling the partial sums until none holds the unwritten bits
+(``_UNWRITTEN``), then writing those bits back for the next launch.
 Qwen3.5's shared-expert gate ``sigmoid(hidden . gate_weight)`` rides along as GEMM column E.
 
 Math in fp32: sigmoid is ``1 / (1 + exp(-x))`` and softmax ``exp(x - max) / sum`` with
@@ -65,45 +72,68 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-14"
+KERNEL_VERSION = "moe_route-15"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GROUP_TOP = 2  # DeepSeek V3 scores a group by the sum of its 2 best experts
 
 _NO_KEY = tl.constexpr(-(2**63))  # below every score's key: padding, picked experts
+_NO_KEY32 = tl.constexpr(-(2**31))  # ... and below every int32 logit key (>= -32767 * 2**16)
+# A partial sum not yet written (the one-token launch's polling router): the bits of a negative
+# NaN with every payload bit set, which no GPU arithmetic produces (its NaNs are 0x7FFFFFFF).
+_UNWRITTEN = tl.constexpr(-1)
 
 # The routing tail after the GEMM is latency at one token: TOP_K dependent block-wide reductions
 # (a bar.sync each), then an L2 round trip for the picked logits, then (Qwen) another for the
-# gate's partials.  SELECT 0: TOP_K rounds of one max-reduction; 1: tl.topk (``_top_keys``).
-# TAIL_LOADS 0: the picked scores recomputed from reloaded logits, the gate's partials summed
-# after the routing; 1: the picked scores from the registers (the keys themselves without a bias,
-# else one masked sum) and the gate's partials loaded with the experts'.  ``routing_tail`` picks
-# both by shape; the bench's A/B (bench/moe_router_check.py --parts ab) overrides it here (None:
-# by shape).
+# gate's partials.  SELECT 0: TOP_K rounds of one max-reduction; 1: tl.topk; 2: rounds within
+# each warp, then tl.topk over the warps' candidates (``_top_keys``).  TAIL_LOADS 0: the picked
+# scores recomputed from reloaded logits, the gate's partials summed after the routing; 1: the
+# picked scores from the registers (the keys themselves without a bias, else one masked sum) and
+# the gate's partials loaded with the experts'; 2: as 1, from the 16-bit logit carried in the
+# int64 key's low bits.  KEYS 0: int64 keys of the fp32 scores; 1: int32 keys of the 16-bit
+# logits, where the score is a monotone function of the logit alone (``_logit_key``).
+# ``routing_tail`` picks all three by shape; the bench's A/B (bench/moe_router_check.py) overrides
+# them here (None: by shape).
 _SELECT: int | None = None
 _TAIL_LOADS: int | None = None
+_KEYS: int | None = None
 TOPK_SELECT_MAX_EXPERTS = 256
 
 
-def routing_tail(padded_experts: int, has_bias: bool) -> tuple[int, int]:
-    """(SELECT, TAIL_LOADS) for a row of ``padded_experts`` lanes.
+def routing_tail(padded_experts: int, has_bias: bool, n_group: int, logits_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(SELECT, TAIL_LOADS, KEYS) for a row of ``padded_experts`` lanes.
 
     H200, one token through the GEMM-fused launch, CUDA-graph µs (session 11, bench/NOTES.md;
     DeepSeek / MiniMax / Qwen3.5): rounds + reload 7.14 / 6.02 / 9.88; tl.topk 6.71 / 5.05 /
     10.12 (its network grows with the 512 lanes of Qwen's row); registers 7.78 / 6.56 / 9.28
-    (with a bias, the masked sum costs more than the reload it saves; without one it is free)."""
-    select = 1 if padded_experts <= TOPK_SELECT_MAX_EXPERTS else 0
-    tail_loads = 0 if has_bias else 1
-    return (select if _SELECT is None else _SELECT), (tail_loads if _TAIL_LOADS is None else _TAIL_LOADS)
+    (with a bias, the masked sum costs more than the reload it saves; without one it is free).
+    Session 15 (moe_route-15): int32 logit keys selected per warp without a bias and groups
+    (Qwen3.5), the logit carried in the key with a bias (MiniMax); see bench/NOTES.md."""
+    narrow = logits_dtype.itemsize == 2 and padded_experts <= 1 << 16
+    logit_keys = narrow and not has_bias and n_group == 1
+    keys = int(logit_keys) if _KEYS is None else _KEYS
+    if keys and not logit_keys:
+        raise ValueError("int32 logit keys (KEYS 1) need 16-bit logits, no bias, no groups and <= 65536 experts")
+    if keys:
+        select, tail_loads = 2, 1
+    else:
+        select = 1 if padded_experts <= TOPK_SELECT_MAX_EXPERTS else 0
+        tail_loads = (2 if narrow else 0) if has_bias else 1
+    tail_loads = tail_loads if _TAIL_LOADS is None else _TAIL_LOADS
+    if tail_loads == 2 and not narrow:
+        raise ValueError("the logit in the key (TAIL_LOADS 2) needs 16-bit logits and <= 65536 experts")
+    return (select if _SELECT is None else _SELECT), tail_loads, keys
 
 
 @triton.jit
-def _score_key(c, e, NP: tl.constexpr):
-    """int64 key ordered like (score c descending, expert e ascending); -0.0 counts as +0.0."""
+def _score_key(c, low):
+    """int64 key ordered like (score c descending, then ``low`` descending); -0.0 counts as +0.0.
+    ``low`` (int64, < 2**32) is the expert's tie-break ``NP - 1 - e``, optionally shifted left by
+    16 over the raw bits of its 16-bit logit (``_logit_low``)."""
     bits = (c + 0.0).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their order
-    return (ordered.to(tl.int64) << 32) | (NP - 1 - e).to(tl.int64)
+    return (ordered.to(tl.int64) << 32) | low
 
 
 @triton.jit
@@ -111,6 +141,37 @@ def _key_score(key):
     """The fp32 score a key was made from."""
     ordered = (key >> 32).to(tl.int32)
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bits16(v):
+    """The raw bits of a 16-bit float as int32 in [0, 65536)."""
+    return v.to(tl.uint16, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _from_bits16(bits, DTYPE: tl.constexpr):
+    """fp32 of the 16-bit float of DTYPE whose raw bits are ``bits`` (int32 in [0, 65536))."""
+    return _upcast(bits.to(tl.uint16).to(DTYPE, bitcast=True))
+
+
+@triton.jit
+def _logit_key(bits, e, NP: tl.constexpr):
+    """int32 key ordered like (16-bit logit descending, expert e ascending), from the logit's raw
+    bits; -0.0 counts as +0.0, a NaN with the sign bit set ranks below -inf. For a score that is
+    a monotone function of the logit alone (softmax or sigmoid, no bias, no groups), this is the
+    score's order wherever the fp32 scores differ; where distinct logits round to one fp32 score
+    (exp underflow, or |x| below the fp32 score's resolution) the larger logit wins, not the
+    lower index. Needs NP <= 2**16."""
+    ordered = tl.where(bits >= 0x8000, -(bits & 0x7FFF), bits)  # sign-magnitude -> ordered
+    return (ordered << 16) | (NP - 1 - e)
+
+
+@triton.jit
+def _logit_key_value(key, DTYPE: tl.constexpr):
+    """The logit an int32 ``_logit_key`` was made from, as fp32 (-0.0 comes back as +0.0)."""
+    ordered = key >> 16
+    return _from_bits16(tl.where(ordered < 0, (-ordered) | 0x8000, ordered), DTYPE)
 
 
 @triton.jit
@@ -124,13 +185,32 @@ def _scores(x, row_max, total, SCORING: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr):
+def _sum_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr, POLL: tl.constexpr = False):
     """Sum of the SPLIT fp32 partial GEMMs at ``offsets``, in split order (other programs or
-    launches wrote them: read through L2)."""
-    total = tl.zeros(offsets.shape, dtype=tl.float32)
-    for part in tl.static_range(SPLIT):
-        total += tl.load(PARTIALS + part * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    launches wrote them: read through L2).  POLL: other programs of this launch are still writing
+    them over ``_UNWRITTEN`` (the one-token launch's polling router): reload until no lane of the
+    block reads it (the condition is block-wide, so every thread leaves the loop together)."""
+    if POLL and not INTERPRETER:  # the interpreter runs the router after every other program
+        total, unwritten = _load_partials(PARTIALS, offsets, mask, stride_ps, SPLIT)
+        while unwritten > 0:
+            total, unwritten = _load_partials(PARTIALS, offsets, mask, stride_ps, SPLIT)
+    else:
+        total = tl.zeros(offsets.shape, dtype=tl.float32)
+        for part in tl.static_range(SPLIT):
+            total += tl.load(PARTIALS + part * stride_ps + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     return total
+
+
+@triton.jit
+def _load_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr):
+    """(the sum in split order, how many lanes of the block still read ``_UNWRITTEN``)."""
+    total = tl.zeros(offsets.shape, dtype=tl.float32)
+    unwritten = tl.zeros(offsets.shape, dtype=tl.int32)
+    for part in tl.static_range(SPLIT):
+        v = tl.load(PARTIALS + part * stride_ps + offsets, mask=mask, other=0.0, volatile=True)
+        unwritten += (v.to(tl.int32, bitcast=True) == _UNWRITTEN).to(tl.int32)
+        total += v
+    return total, tl.sum(tl.reshape(unwritten, [unwritten.numel]), axis=0)
 
 
 @triton.jit
@@ -145,22 +225,58 @@ def _group_top2(key, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _top_keys(key, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SELECT: tl.constexpr):
-    """The TOP_K largest keys of ``key`` [R, G_PAD, GS_PAD], descending, in [R, K_PAD] (slots
-    from TOP_K on unspecified).
+def _warp_max(lanes):
+    """Max of each row of ``lanes`` [rows, n] (int32 or int64 keys): an int64 one as two 32-bit
+    maxima (its high word, then the low word among the lanes that hold that high word), each one
+    REDUX a warp where 64-bit values would take a shuffle tree."""
+    if tl.constexpr(lanes.dtype == tl.int32):  # a constexpr: the other branch is not compiled
+        best = tl.max(lanes, axis=1)
+    else:
+        hi = (lanes >> 32).to(tl.int32)
+        lo = (lanes & 0xFFFFFFFF).to(tl.uint32)
+        best_hi = tl.max(hi, axis=1)
+        best_lo = tl.max(tl.where(hi == best_hi[:, None], lo, 0), axis=1)
+        best = (best_hi.to(tl.int64) << 32) | best_lo.to(tl.int64)
+    return best
+
+
+@triton.jit
+def _top_keys(key, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SELECT: tl.constexpr, NO: tl.constexpr,
+              WARPS: tl.constexpr):
+    """The TOP_K largest keys of ``key`` [R, G_PAD, GS_PAD] (int64 or int32, ``NO`` below every
+    real key), descending, in [R, K_PAD] (slots from TOP_K on unspecified).
 
     SELECT 0: TOP_K rounds of one block-wide max, each removing its pick: TOP_K dependent
-    reductions.  1: tl.topk's bitonic top-k over all keys (pairwise exchanges along the bits of
-    the lane index, no chain of block-wide reductions)."""
+    reductions (each crossing the warps: a bar.sync).  1: tl.topk's bitonic top-k over all keys
+    (pairwise exchanges along the bits of the lane index, no chain of block-wide reductions).
+    2 (one row, R == 1): the row as [WARPS, lanes / WARPS], which keeps the loads' layout (each
+    warp holds a contiguous quarter of the row at 4 warps), so each of the TOP_K rounds is a max
+    within each warp (an int32 max is one REDUX) with no bar.sync; then the WARPS x K_PAD
+    candidates are merged by rank (each candidate's count of larger ones; keys are unique), one
+    all-pairs comparison and two reductions instead of TOP_K block-wide rounds of ~3 bar.syncs
+    each. Falls back to the rounds where a warp would hold fewer than 32 lanes."""
     kk = tl.arange(0, K_PAD)[None, :]
-    top = tl.full([key.shape[0], K_PAD], _NO_KEY, tl.int64)
-    if SELECT == 0 or K_PAD == 1:  # a top-1 is one max (and tl.topk(x, 1) fails in the interpreter)
+    NPL: tl.constexpr = key.shape[1] * key.shape[2]
+    top = tl.full([key.shape[0], K_PAD], NO, key.dtype)
+    if SELECT == 2 and NPL >= 32 * WARPS:
+        tl.static_assert(key.shape[0] == 1)
+        lanes = tl.reshape(key, [WARPS, NPL // WARPS])
+        candidates = tl.full([WARPS, K_PAD], NO, key.dtype)
+        for i in tl.static_range(TOP_K):
+            best = _warp_max(lanes)  # [WARPS]
+            lanes = tl.where(lanes == best[:, None], NO, lanes)
+            candidates = tl.where(kk == i, best[:, None], candidates)
+        flat = tl.reshape(candidates, [WARPS * K_PAD])
+        rank = tl.sum((flat[None, :] > flat[:, None]).to(tl.int32), axis=1)  # larger candidates
+        slot = rank[:, None] == tl.arange(0, K_PAD)[None, :]  # [WARPS * K_PAD, K_PAD]
+        top = tl.max(tl.where(slot, flat[:, None], NO), axis=0)[None, :]  # NO where no rank fits
+    elif SELECT == 1 and K_PAD > 1:  # tl.topk(x, 1) fails in the interpreter
+        top = tl.topk(tl.reshape(key, [key.shape[0], NPL]), K_PAD)
+    else:
         for i in tl.static_range(TOP_K):
             best = tl.max(tl.max(key, axis=2), axis=1)  # [R]
-            key = tl.where(key == best[:, None, None], _NO_KEY, key)
+            key = tl.where(key == best[:, None, None], NO, key)
             top = tl.where(kk == i, best[:, None], top)
-    else:
-        top = tl.topk(tl.reshape(key, [key.shape[0], key.shape[1] * key.shape[2]]), K_PAD)
     return top
 
 
@@ -170,29 +286,38 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
                 GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 TOP_K: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                SPLIT: tl.constexpr, SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr):
+                SPLIT: tl.constexpr, SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr,
+                KEYS: tl.constexpr, WARPS: tl.constexpr, POLL: tl.constexpr = False):
     """Route the logits rows ``rows`` [R] (int64, ``row_mask`` in range); returns ([R, K_PAD]
     fp32 weights, [R, K_PAD] int32 ids).
 
     SPLIT == 0: the logits are read from LOGITS.  SPLIT > 0: they are the sum, in split order, of
     SPLIT fp32 partial GEMMs in PARTIALS [SPLIT, T, E] (written by other programs or launches:
     read through L2), rounded to LOGITS' dtype and stored there (unit expert stride) first.
-    SELECT: how the top_k are picked (``_top_keys``); TAIL_LOADS: where the picked experts'
-    unbiased scores come from (0: reloaded logits, 1: the registers)."""
+    KEYS 0: int64 keys of the (biased, group-masked) fp32 scores; 1: int32 keys of the 16-bit
+    logits (``_logit_key``; no bias, no groups), and no per-lane score at all: only the picked
+    experts' scores are computed.  SELECT: how the top_k are picked (``_top_keys``).  TAIL_LOADS:
+    where the picked experts' unbiased scores come from: 0 reloaded logits; 1 the registers (the
+    key itself: its score, or with KEYS 1 its logit; with a bias and int64 keys, a masked sum);
+    2 (int64 keys, 16-bit logits) the logit's raw bits carried in the key's low 16 bits."""
     NP: tl.constexpr = G_PAD * GS_PAD  # power of two > every expert index
+    LOGIT_DTYPE: tl.constexpr = LOGITS.dtype.element_ty
     g = tl.arange(0, G_PAD)[None, :, None]
     j = tl.arange(0, GS_PAD)[None, None, :]
     e = g * GROUP_SIZE + j  # padded lanes alias real experts: always mask with valid
     valid = (g < N_GROUP) & (j < GROUP_SIZE)
     lanes = valid & row_mask[:, None, None]
     row_base = LOGITS + rows[:, None, None] * stride_lt
+    bias = tl.zeros(e.shape, dtype=tl.float32)
+    if HAS_BIAS:  # issued first: nothing it waits for
+        bias = tl.load(BIAS + e * stride_b, mask=valid, other=0.0).to(tl.float32)
     if SPLIT > 0:
-        x = _sum_partials(PARTIALS, rows[:, None, None] * stride_pt + e, lanes, stride_ps, SPLIT)
-        rounded = _downcast(x, LOGITS.dtype.element_ty)
+        x = _sum_partials(PARTIALS, rows[:, None, None] * stride_pt + e, lanes, stride_ps, SPLIT, POLL)
+        rounded = _downcast(x, LOGIT_DTYPE)
         tl.store(row_base + e * stride_le, rounded, mask=lanes)
-        x = _upcast(rounded)
     else:
-        x = _upcast(tl.load(row_base + e * stride_le, mask=lanes, other=0.0))
+        rounded = tl.load(row_base + e * stride_le, mask=lanes, other=0.0)
+    x = _upcast(rounded)
 
     row_max = tl.zeros([x.shape[0]], dtype=tl.float32)
     total = tl.zeros([x.shape[0]], dtype=tl.float32)
@@ -201,26 +326,36 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         row_max = tl.max(tl.max(xm, axis=2), axis=1)
         p = tl.exp(xm - row_max[:, None, None])  # padded lanes: exp(-inf) = 0
         total = tl.sum(tl.sum(p, axis=2), axis=1)
-    s = _scores(x, row_max[:, None, None], total[:, None, None], SCORING)
-    choice = s
-    if HAS_BIAS:
-        choice = s + tl.load(BIAS + e * stride_b, mask=valid, other=0.0).to(tl.float32)
-    key = tl.where(valid, _score_key(choice, e, NP), _NO_KEY)
+    if KEYS == 1:
+        tl.static_assert(N_GROUP == 1 and not HAS_BIAS and NP <= 65536 and LOGIT_DTYPE.primitive_bitwidth == 16)
+        key = tl.where(valid, _logit_key(_bits16(rounded), e, NP), _NO_KEY32)
+        s = x  # unused: no per-lane scores
+    else:
+        low = (NP - 1 - e).to(tl.int64)
+        if TAIL_LOADS == 2:
+            tl.static_assert(NP <= 65536 and LOGIT_DTYPE.primitive_bitwidth == 16)
+            low = (low << 16) | _bits16(rounded).to(tl.int64)
+        s = _scores(x, row_max[:, None, None], total[:, None, None], SCORING)
+        choice = s
+        if HAS_BIAS:
+            choice = s + bias
+        key = tl.where(valid, _score_key(choice, low), _NO_KEY)
 
-    if N_GROUP > 1:
-        first, second = _group_top2(key, SELECT)  # [R, G_PAD] each
-        gscore = _key_score(first) + _key_score(second)
-        gi = tl.arange(0, G_PAD)
-        a = gscore[:, :, None]  # challenger h (axis 1)
-        c = gscore[:, None, :]  # group g (axis 2)
-        beats = (a > c) | ((a == c) & (gi[None, :, None] < gi[None, None, :]))
-        beats = beats & (gi[None, :, None] < N_GROUP)
-        rank = tl.sum(beats.to(tl.int32), axis=1)  # [R, G_PAD]
-        keep = (rank < TOPK_GROUP)[:, :, None]
-        key = tl.where(valid, _score_key(tl.where(keep, choice, float("-inf")), e, NP), _NO_KEY)
+        if N_GROUP > 1:
+            first, second = _group_top2(key, SELECT)  # [R, G_PAD] each
+            gscore = _key_score(first) + _key_score(second)
+            gi = tl.arange(0, G_PAD)
+            a = gscore[:, :, None]  # challenger h (axis 1)
+            c = gscore[:, None, :]  # group g (axis 2)
+            beats = (a > c) | ((a == c) & (gi[None, :, None] < gi[None, None, :]))
+            beats = beats & (gi[None, :, None] < N_GROUP)
+            rank = tl.sum(beats.to(tl.int32), axis=1)  # [R, G_PAD]
+            keep = (rank < TOPK_GROUP)[:, :, None]
+            key = tl.where(valid, _score_key(tl.where(keep, choice, float("-inf")), low), _NO_KEY)
 
-    top = _top_keys(key, TOP_K, K_PAD, SELECT)  # [R, K_PAD]
-    ids = (NP - 1 - (top & (NP - 1))).to(tl.int32)
+    top = _top_keys(key, TOP_K, K_PAD, SELECT, _NO_KEY32 if KEYS == 1 else _NO_KEY, WARPS)  # [R, K_PAD]
+    SHIFT: tl.constexpr = 16 if (KEYS == 0 and TAIL_LOADS == 2) else 0
+    ids = (NP - 1 - ((top >> SHIFT) & (NP - 1))).to(tl.int32)
     kk = tl.arange(0, K_PAD)[None, :]
     picked = row_mask[:, None] & (kk < TOP_K)
     if TAIL_LOADS == 0:
@@ -232,6 +367,11 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
         xk = tl.load(LOGITS + rows[:, None] * stride_lt + ids * stride_le, mask=picked, other=0.0,
                      cache_modifier=".cg")
         sk = _scores(_upcast(xk), row_max[:, None], total[:, None], SCORING)
+    elif KEYS == 1:
+        # The picked logits are in the keys: their scores by the same formula, only TOP_K of them.
+        sk = _scores(_logit_key_value(top, LOGIT_DTYPE), row_max[:, None], total[:, None], SCORING)
+    elif TAIL_LOADS == 2:
+        sk = _scores(_from_bits16((top & 0xFFFF).to(tl.int32), LOGIT_DTYPE), row_max[:, None], total[:, None], SCORING)
     elif HAS_BIAS:
         # One masked sum over the experts per pick (all picks in one reduction), no memory
         # round trip: exactly one lane matches, so the sum is that lane's score.
@@ -249,9 +389,9 @@ def _route_rows(LOGITS, rows, row_mask, stride_lt, stride_le, BIAS, stride_b, re
 
 @triton.jit
 def _gate_value(PARTIALS, rows, row_mask, stride_ps, stride_pt, column, GATE_DTYPE: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, POLL: tl.constexpr = False):
     """sigmoid(the gate row's logit, rounded to GATE_DTYPE), from the split partials."""
-    logit = _sum_partials(PARTIALS, rows * stride_pt + column, row_mask, stride_ps, SPLIT)
+    logit = _sum_partials(PARTIALS, rows * stride_pt + column, row_mask, stride_ps, SPLIT, POLL)
     return _scores(_round_trip(logit, GATE_DTYPE), 0.0, 0.0, 0)  # sigmoid
 
 
@@ -284,7 +424,9 @@ def _moe_route_kernel(
     SPLIT: tl.constexpr,  # 0: read LOGITS; > 0: sum SPLIT partial GEMMs into LOGITS first
     HAS_GATE: tl.constexpr,  # partials column E is the shared-expert gate's logit (SPLIT > 0)
     SELECT: tl.constexpr,  # how the top_k are picked (_top_keys)
-    TAIL_LOADS: tl.constexpr,  # picked scores: 0 reloaded logits, 1 registers (and the gate's loads first)
+    TAIL_LOADS: tl.constexpr,  # picked scores: 0 reloaded logits, 1 registers (and the gate's loads first), 2 key bits
+    KEYS: tl.constexpr,  # 0 int64 score keys, 1 int32 logit keys (_route_rows)
+    WARPS: tl.constexpr,  # the launch's num_warps (SELECT 2)
 ):
     """Routing from logits (or from the router GEMM's partial sums): one program per token."""
     row = tl.program_id(0)
@@ -292,7 +434,7 @@ def _moe_route_kernel(
     _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, row + 1, N_GROUP * GROUP_SIZE,
                stride_ps, stride_pt, stride_lt, stride_le, stride_b, stride_wt, stride_wk, stride_it, stride_ik,
                stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP, TOPK_GROUP, TOP_K,
-               G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SELECT, TAIL_LOADS)
+               G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SELECT, TAIL_LOADS, KEYS, WARPS)
 
 
 @triton.jit
@@ -303,27 +445,36 @@ def _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
                GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
                SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-               SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr):
+               SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr, KEYS: tl.constexpr, WARPS: tl.constexpr,
+               POLL: tl.constexpr = False, COLS_PAD: tl.constexpr = 1):
     """Route token ``row`` (summing its split partials first when SPLIT > 0), + its
-    shared-expert gate."""
+    shared-expert gate.  POLL (one token, the GEMM-fused launch): the partials are polled while
+    other programs write them, and put back to ``_UNWRITTEN`` (all E + HAS_GATE <= COLS_PAD
+    columns of the SPLIT parts) for the next launch once every thread has read them."""
     rows = row.to(tl.int64) + tl.arange(0, 1)  # int64: T * stride can pass 2**31
     in_range = rows < T
     GATE_DTYPE: tl.constexpr = GATE.dtype.element_ty
     gate = tl.zeros([1], dtype=tl.float32)
-    if HAS_GATE and TAIL_LOADS == 1:
+    if HAS_GATE and TAIL_LOADS != 0:
         # Issued with the experts' partials rather than after the routing's barriers: one L2
         # round trip fewer on the way out.
-        gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT)
+        gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT, POLL)
     out_w, out_id = _route_rows(LOGITS, rows, in_range, stride_lt, stride_le, BIAS, stride_b, renorm_eps,
                                 scale, PARTIALS, stride_ps, stride_pt, GROUP_SIZE, N_GROUP, TOPK_GROUP,
                                 TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE, SPLIT,
-                                SELECT, TAIL_LOADS)
+                                SELECT, TAIL_LOADS, KEYS, WARPS, POLL)
     _store_routes(WEIGHTS, IDS, rows, in_range, out_w, out_id, stride_wt, stride_wk,
                   stride_it, stride_ik, TOP_K, K_PAD)
     if HAS_GATE:
         if TAIL_LOADS == 0:
-            gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT)
+            gate = _gate_value(PARTIALS, rows, in_range, stride_ps, stride_pt, E, GATE_DTYPE, SPLIT, POLL)
         tl.store(GATE + rows * stride_g, _downcast(gate, GATE_DTYPE), mask=in_range)
+    if POLL:
+        tl.debug_barrier()  # every thread has read the partials (their poll ends in one iteration)
+        cols = tl.arange(0, COLS_PAD)
+        unwritten = tl.full([COLS_PAD], _UNWRITTEN, tl.int32).to(tl.float32, bitcast=True)
+        for part in tl.static_range(SPLIT):
+            tl.store(PARTIALS + part * stride_ps + cols, unwritten, mask=cols < E + HAS_GATE)
 
 
 @triton.jit
@@ -372,12 +523,14 @@ def _router_gemm_kernel(
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr,
+    SELECT: tl.constexpr, TAIL_LOADS: tl.constexpr, KEYS: tl.constexpr, WARPS: tl.constexpr,
     GEMV: tl.constexpr = False,  # BLOCK_T == 1: fp32 multiply-adds, no tl.dot (_gemm_step)
     UNROLL: tl.constexpr = False,  # the K_STEPS loop unrolled (static_range) instead of a loop
     W_CACHE: tl.constexpr = "",  # the router weight loads' cache modifier ("", ".cg", ".ca")
     W_EVICT: tl.constexpr = "",  # ... and eviction policy ("", "evict_last", "evict_first")
     ARRIVE_ONLY: tl.constexpr = False,  # diagnostics (_TAIL_DIAG "arrive"): count arrivals, route nothing
+    POLL: tl.constexpr = False,  # one token: the last program routes, polling PARTIALS (no counters)
+    COLS_PAD: tl.constexpr = 1,  # next_power_of_2(E + HAS_GATE) (POLL's reset)
 ):
     """The router GEMM as partial sums: program (i, j, s) computes hidden[tile i] .
     router_weight[tile j]^T over split s of the hidden dim (a tl.dot, fp32 accumulate) and
@@ -413,7 +566,19 @@ def _router_gemm_kernel(
     tl.store(PARTIALS + pid_s * stride_ps + t[:, None].to(tl.int64) * stride_pt + ex[None, :], acc,
              mask=(t[:, None] < T) & (ex[None, :] < E + HAS_GATE))
 
-    if ROUTE:
+    if ROUTE and POLL:
+        # One token: no counter, no fence. The program with the last linear id routes; it was
+        # dispatched after every other, and none of them waits, so its wait always ends. It
+        # polls the partials, which hold _UNWRITTEN until their program's store lands, and puts
+        # them back to _UNWRITTEN when done (so the buffer must start that way: _poll_partials).
+        last = (pid_t == tl.num_programs(0) - 1) & (pid_e == tl.num_programs(1) - 1) & (pid_s == tl.num_programs(2) - 1)
+        if last:
+            _route_row(tl.full([], 0, tl.int32), PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+                       stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
+                       stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
+                       TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
+                       SELECT, TAIL_LOADS, KEYS, WARPS, True, COLS_PAD)
+    elif ROUTE:
         # Every thread's partials are stored before the counter moves (bar.sync, then a
         # gpu-scope release); the routers' acquires make all of them visible to them.
         tl.debug_barrier()
@@ -429,7 +594,7 @@ def _router_gemm_kernel(
                                stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
                                stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
                                TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
-                               SELECT, TAIL_LOADS)
+                               SELECT, TAIL_LOADS, KEYS, WARPS)
                 tl.store(COUNTERS, 0)
         elif arrival >= programs - tl.minimum(T, programs):
             routers = tl.minimum(T, programs)  # a narrow GEMM can have fewer programs than tokens
@@ -441,7 +606,7 @@ def _router_gemm_kernel(
                            stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
                            stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
                            TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
-                           SELECT, TAIL_LOADS)
+                           SELECT, TAIL_LOADS, KEYS, WARPS)
             if routers == 1:  # the only router: nobody else reads the counter
                 tl.store(COUNTERS, 0)
             elif tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel", scope="gpu") == routers - 1:
@@ -486,28 +651,30 @@ _MAX_SPLIT = 8
 #   _GEMM_WARPS   num_warps of the launch (the routing tail runs in these warps too)
 #   _GEMM_STAGES  num_stages of the launch (software pipelining of the K loop: sm_90 ptxas output of
 #                 the shipped shape has its tiles fetched by cp.async num_stages - 1 steps ahead)
-#   _MAXNREG      the launch's register cap (ptxas -maxrregcount). Session 14's offline sm_90 SASS of the
-#                 1-token tail: ptxas reuses the partial sums' registers, so the last program's SPLIT
-#                 partial loads return in dependent L2 round trips (DeepSeek ~9, MiniMax 4) instead of
-#                 one; with 128 the loads issue together (a model estimate of -2,500 / -1,600 cycles,
-#                 DeepSeek / MiniMax; none for Qwen3.5). Not yet timed on the GPU; ptxas's load
-#                 scheduling moves with unrelated changes, so read the SASS (LDG issue order) too.
+#   _MAXNREG      the launch's register cap (ptxas -maxrregcount; 0: none). Session 14's offline sm_90
+#                 SASS of the 1-token tail: ptxas reuses the partial sums' registers, so the last
+#                 program's SPLIT partial loads return in dependent L2 round trips (DeepSeek ~9,
+#                 MiniMax 4) instead of one; with 128 the loads issue together. Shipped in
+#                 moe_route-15 from session 15's H200 A/B (rotated cold, one token, DeepSeek / MiniMax
+#                 / Qwen3.5): 7.66 / 5.74 / 8.43 -> 6.21 / 4.87 / 8.21 us; 2 and 16 tokens within
+#                 +-0.15 us. ptxas's load scheduling moves with unrelated changes: after a tail change,
+#                 read the SASS (bench/sass_offline.py router) and re-time ``no_maxnreg``.
 #   _UNROLL       the K loop unrolled (tl.static_range): the steps' loads may issue up front (no
 #                 barrier between the GEMV body's steps; tl.dot's operand shuffle puts a bar.sync
 #                 between steps, which the loads do not cross)
 #   _GEMV         at one token, BLOCK_T = 1 and fp32 multiply-adds instead of a 16-row tl.dot
 #   _W_HINTS      (cache_modifier, eviction_policy) of the router-weight loads, e.g. ("", "evict_last");
 #                 not ".cg" with a policy (ptxas: ".evict_last cannot be combined with .cg")
-# The shipped shape (moe_route-14), from the session-12 A/B (H200, one token, µs with the router
-# weight cold, i.e. read from HBM as in a real step, against the same copy cold; DeepSeek / MiniMax /
-# Qwen3.5): moe_route-13's 64-column steps 10.62 / 6.95 / 13.91 (2.73 / 2.67 / 3.53x the copy);
+# The shipped shape (moe_route-14; -15 added the register cap), from the session-12 A/B (H200, one
+# token, µs with the router weight cold, i.e. read from HBM as in a real step, against the same copy
+# cold; DeepSeek / MiniMax / Qwen3.5): moe_route-13's 64-column steps 10.62 / 6.95 / 13.91 (2.73 / 2.67 / 3.53x the copy);
 # one span per program with evict_last 7.37 / 5.17 / 8.96; the GEMV body at one token over spans
 # 7.55 / 5.24 / 7.06 (1.94 / 2.01 / 1.79x). Warm (L2-resident) within +-0.5 µs of -13 throughout.
 # At 2-16 tokens span + evict_last was the fastest cold (16 tokens: 8.69 / 6.68 / 9.26 against
 # 11.28 / 7.63 / 14.80). "Cold" there subtracts a flush graph; timed by rotating over weight
 # copies instead (cleaner), -14 at one token is 7.61 / 5.72 / 8.35 µs, 2.36 / 2.58 / 2.43x the
 # copy timed the same way (-13: 9.50 / 6.16 / 13.56).
-SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"))
+SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"), maxnreg=128)
 _BLOCK_K: int | None = None
 _BLOCK_E: int | None = None
 _GEMM_WARPS: int | None = None
@@ -557,12 +724,13 @@ def gemm_variant_meta(block_t: int) -> tuple[dict, dict]:
     cache, evict = (SHIPPED_GEMM["w_hints"] if _W_HINTS is None else _W_HINTS) if small else ("", "")
     meta = dict(GEMV=block_t == 1, UNROLL=bool(small and _UNROLL), W_CACHE=cache, W_EVICT=evict)
     options = {"num_stages": _GEMM_STAGES} if small and _GEMM_STAGES is not None else {}
-    if small and _MAXNREG is not None:
-        options["maxnreg"] = _MAXNREG
+    maxnreg = SHIPPED_GEMM["maxnreg"] if _MAXNREG is None else _MAXNREG
+    if small and maxnreg:
+        options["maxnreg"] = maxnreg
     return meta, options
 
 
-def _routing_meta(named: dict, experts: int) -> tuple[dict, int]:
+def _routing_meta(named: dict, experts: int, logits_dtype: torch.dtype) -> tuple[dict, int]:
     """Checked routing scalars -> (the kernels' routing constexprs, the routing kernel's
     num_warps)."""
     top_k, n_group, topk_group = int(named["top_k"]), int(named["n_group"]), int(named["topk_group"])
@@ -589,7 +757,7 @@ def _routing_meta(named: dict, experts: int) -> tuple[dict, int]:
         G_PAD=g_pad, GS_PAD=gs_pad, K_PAD=k_pad, SCORING=scoring, HAS_BIAS=bias is not None,
         RENORMALIZE=bool(named["renormalize"]),
     )
-    meta["SELECT"], meta["TAIL_LOADS"] = routing_tail(g_pad * gs_pad, bias is not None)
+    meta["SELECT"], meta["TAIL_LOADS"], meta["KEYS"] = routing_tail(g_pad * gs_pad, bias is not None, n_group, logits_dtype)
     return meta, num_warps
 
 
@@ -615,7 +783,7 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
     if logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
         raise ValueError(f"logits must be [T, E] fp32/bf16/fp16, got {tuple(logits.shape)} {logits.dtype}")
     tokens, experts = logits.shape
-    meta, num_warps = _routing_meta(named, experts)
+    meta, num_warps = _routing_meta(named, experts, logits.dtype)
     _check_outputs(weights, ids, tokens, meta["TOP_K"])
     tensors = [logits, weights, ids] + ([bias] if bias is not None else [])
     if any(t.device != logits.device for t in tensors):
@@ -630,7 +798,7 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
             logits.stride(0), logits.stride(1), bias.stride(0) if bias is not None else 0,
             weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1), 0, 0, 0,
             float(named["renorm_eps"]), float(named["scale"]),
-            num_warps=num_warps, SPLIT=0, HAS_GATE=False, **meta,
+            num_warps=num_warps, WARPS=num_warps, SPLIT=0, HAS_GATE=False, **meta,
         )
 
     launch_on_device(logits, _launch)
@@ -640,22 +808,46 @@ def moe_route_fwd(named: dict, weights: torch.Tensor, ids: torch.Tensor) -> None
 # resets them to zero, so they are allocated (zeroed) once, outside any CUDA-graph capture, and
 # every later launch, in a graph or not and on whichever stream, finds them at zero. Launches on
 # one device must not overlap in time (two streams routing concurrently would share them).
-_COUNTERS: dict[int, torch.Tensor] = {}
+_COUNTERS: dict[tuple[int], torch.Tensor] = {}
+
+
+def _handed_on(cache: dict, device: torch.device, shape: tuple, make, what: str) -> torch.Tensor:
+    """A buffer one launch hands the next on ``device`` (``make()`` builds it in its initial state):
+    made on the first call for ``shape``, which must be outside CUDA-graph capture, and kept (a
+    captured graph points at it). Off CUDA (the interpreter), a fresh one each call."""
+    if device.type != "cuda":
+        return make()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), *shape)
+    buffer = cache.get(key)
+    if buffer is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fusion_compiler.moe_router: its first {what} on this device is inside CUDA-graph capture; "
+                "run it once before capturing (the buffer must be initialised outside the graph)"
+            )
+        buffer = cache[key] = make()
+    return buffer
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    counters = _COUNTERS.get(index)
-    if counters is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "fusion_compiler.moe_router: its first call on this device is inside CUDA-graph capture; "
-                "run it once before capturing (its completion counters must be zeroed outside the graph)"
-            )
-        counters = _COUNTERS[index] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counters
+    return _handed_on(_COUNTERS, device, (), lambda: torch.zeros(2, dtype=torch.int32, device=device),
+                      "call (its completion counters)")
+
+
+# One-token partial-sum buffers per (device, split, columns), for the launch whose router polls
+# them (``POLL``): filled with _UNWRITTEN once, outside any CUDA-graph capture, and put back to it
+# by every launch's router, so every later launch (in a graph or not) finds them that way. Launches
+# on one device must not overlap in time (as with the counters).
+_POLLED: dict[tuple[int, int, int], torch.Tensor] = {}
+# A/B knob (bench/moe_router_check.py ``counters``): False gives one token the counters' protocol.
+_POLL_ONE_TOKEN = True
+
+
+def _poll_partials(device: torch.device, split: int, columns: int) -> torch.Tensor:
+    def unwritten():
+        return torch.full((split, 1, columns), -1, dtype=torch.int32, device=device).view(torch.float32)
+
+    return _handed_on(_POLLED, device, (split, columns), unwritten, "one-token call for this shape (its partial sums)")
 
 
 def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -687,7 +879,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
             raise ValueError(f"{name} {t.dtype} does not widen exactly to the {logits.dtype} logits")
     if logits.stride(-1) != 1:
         raise ValueError(f"logits must have unit stride on the expert dim, got {logits.stride()}")
-    meta, route_warps = _routing_meta(named, experts)
+    meta, route_warps = _routing_meta(named, experts, logits.dtype)
     _check_outputs(weights, ids, tokens, meta["TOP_K"])
     bias = named["bias"]
     tensors = [hidden, router_weight, logits, weights, ids] + ([bias] if bias is not None else [])
@@ -709,11 +901,15 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     columns = experts + has_gate
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid)
     fused = tokens <= min(FUSED_GEMM_MAX_TOKENS, block_t)
-    partials = torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
+    poll = fused and tokens == 1 and _POLL_ONE_TOKEN and _TAIL_DIAG is None
+    if poll:
+        partials = _poll_partials(hidden.device, split, columns)
+    else:
+        partials = torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE
     gate_arg = gate if has_gate else logits
     stride_g = gate.stride(0) if has_gate else 0
-    counters = _counters(hidden.device) if fused else partials  # dummy when not fused
+    counters = _counters(hidden.device) if fused and not poll else partials  # dummy when unused
     bias_arg = bias if bias is not None else logits
     stride_b = bias.stride(0) if bias is not None else 0
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
@@ -737,7 +933,8 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
             float(named["renorm_eps"]), float(named["scale"]),
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_STEPS=k_steps, SPLIT=split,
             FP32_DOT=fp32_dot, ROUTE=route,
-            HAS_GATE=has_gate, num_warps=num_warps, **meta, **gemm_meta, **gemm_options,
+            HAS_GATE=has_gate, num_warps=num_warps, WARPS=num_warps, POLL=poll, COLS_PAD=triton.next_power_of_2(columns),
+            **meta, **gemm_meta, **gemm_options,
         )
         if not fused:
             _moe_route_kernel[(tokens,)](
@@ -746,7 +943,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
                 weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
                 partials.stride(0), partials.stride(1), stride_g,
                 float(named["renorm_eps"]), float(named["scale"]),
-                num_warps=route_warps, SPLIT=split,
+                num_warps=route_warps, WARPS=route_warps, SPLIT=split,
                 HAS_GATE=has_gate, **meta,
             )
 

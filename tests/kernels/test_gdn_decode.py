@@ -167,11 +167,12 @@ def test_counters_are_left_at_zero(block_v, split):
 
 
 @pytest.mark.parametrize("block_v, split", [(32, 1), (8, 1), (8, 2), (8, 4)])
-def test_conv_as_per_tap_vectors_matches_reference(monkeypatch, block_v, split):
-    """The A/B form of the conv (``_CONV_TAPS``: per-tap vectors where kernel and state width are
-    4) against the reference: conv state bit-equal, recurrent state and output as the tile form,
-    padding rows zero and every other slot untouched; one block a head, several, and split heads."""
-    monkeypatch.setattr(K, "_CONV_TAPS", True)
+def test_conv_as_a_tile_matches_reference_where_taps_apply(monkeypatch, block_v, split):
+    """The A/B form of the conv (``_CONV_TAPS`` False: the [C, K] tile even where kernel and state
+    width are 4, whose default is per-tap vectors) against the reference: conv state bit-equal,
+    recurrent state and output close, padding rows zero and every other slot untouched; one block
+    a head, several, and split heads."""
+    monkeypatch.setattr(K, "_CONV_TAPS", False)
     c = dict(tokens=3, key_heads=2, ratio=2, key_dim=16, value_dim=32, kernel=4, extra_width=1,
              dtype=torch.bfloat16, weight_3d=True, transposed_conv_state=split == 2, seed=7 + split)  # fmt: skip
     args = _make(c)
@@ -185,4 +186,4 @@ def test_conv_as_per_tap_vectors_matches_reference(monkeypatch, block_v, split):
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-7"
+    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-8"

@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-14"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-15"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -388,6 +388,32 @@ def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
     assert counters.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, gate):
+    """One token: the router polls the partial sums (no counters) and must put every one back to
+    the unwritten bits for the next launch; two launches in a row on one buffer, different inputs,
+    both match the reference (Qwen's routing with its gate column, 4 hidden splits)."""
+    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 16)  # 2 expert tiles x 8 splits at 17 columns
+    buffers = {}
+
+    def persistent(device, split, columns):
+        if (split, columns) not in buffers:
+            buffers[split, columns] = torch.full((split, 1, columns), -1, dtype=torch.int32, device=device).view(torch.float32)
+        return buffers[split, columns]
+
+    monkeypatch.setattr(K, "_poll_partials", persistent)
+    monkeypatch.setattr(K, "_counters", lambda device: pytest.fail("one token must not use the counters"))
+    for seed in (1, 2):
+        c = dict(tokens=1, experts=16, n_group=1, topk_group=1, top_k=4, scoring=1, has_bias=False, renormalize=True,
+                 renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.float32, seed=seed)
+        args = router_args(c, 256, duplicate_rows=False, gate=gate)
+        assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
+        with fused_up_to(16):
+            assert_router_matches_reference(args)
+    (buffer,) = buffers.values()
+    assert buffer.shape[0] > 1 and bool((buffer.view(torch.int32) == -1).all()), "partials left written"
+
+
 def test_router_gemm_rejects_what_it_cannot_do():
     hidden = torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE)
     weight = torch.zeros(16, 8, dtype=torch.bfloat16, device=DEVICE)
@@ -443,14 +469,16 @@ def test_op_device_body_with_and_without_the_gate(gate):
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing-tail alternatives (kernels/moe_route.py _SELECT / _TAIL_LOADS, timed by
-# bench/moe_router_check.py --parts ab): every test above runs ``routing_tail``'s pick for its
-# shape (up to 256 experts tl.topk, the registers' scores without a bias), so these force the rest.
+# Routing-tail alternatives (kernels/moe_route.py _SELECT / _TAIL_LOADS / _KEYS, timed by
+# bench/moe_router_check.py): every test above runs ``routing_tail``'s pick for its shape (int32
+# logit keys selected per warp for bf16 rows without a bias and groups, the logit in the int64
+# key with a bias, tl.topk up to 256 experts), so these force the rest.
 # ---------------------------------------------------------------------------------------------
 
-# (_SELECT, _TAIL_LOADS): the rounds with either source of the picked scores (the reload:
-# moe_route-12), tl.topk with the reload (also for the bias-free rows).
-TAIL_VARIANTS = [(0, 0), (0, 1), (1, 0)]
+# (_SELECT, _TAIL_LOADS, _KEYS; None: by shape): moe_route-14's forms (int64 score keys: the
+# rounds with either source of the picked scores, the reload being moe_route-12's; tl.topk with
+# the reload), then the per-warp selection over either key, and the logit in the int64 key.
+TAIL_VARIANTS = [(0, 0, 0), (0, 1, 0), (1, 0, 0), (2, 1, 0), (2, None, None), (0, None, None), (1, 2, 0)]
 TAIL_VARIANT_CASES = [
     # (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, duplicate_rows, gate)
     (True, 2, 64, 8, 4, 8, 0, True, False, False),  # DeepSeek's routing, narrow
@@ -458,13 +486,18 @@ TAIL_VARIANT_CASES = [
     (True, 2, 64, 1, 1, 10, 1, False, True, True),  # Qwen's: softmax, no bias, the gate column
     (False, 2, 48, 4, 2, 7, 1, True, False, False),  # padded groups, two launches
     (True, 1, 40, 1, 1, 20, 0, True, True, False),  # padded row, top_k 20 (K_PAD 32)
+    # Rows wide enough for the per-warp selection (>= 32 lanes a warp at 4 warps; 8 for 512):
+    (True, 1, 512, 1, 1, 10, 1, False, False, True),  # Qwen3.5's row and gate
+    (True, 1, 256, 1, 1, 8, 0, True, True, False),  # MiniMax's, with exact ties
+    (False, 2, 512, 1, 1, 10, 1, False, True, False),  # two launches: the routing kernel's 8 warps
 ]
 
 
-@pytest.mark.parametrize("select, tail_loads", TAIL_VARIANTS)
-def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads):
+@pytest.mark.parametrize("select, tail_loads, keys", TAIL_VARIANTS)
+def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads, keys):
     monkeypatch.setattr(K, "_SELECT", select)
     monkeypatch.setattr(K, "_TAIL_LOADS", tail_loads)
+    monkeypatch.setattr(K, "_KEYS", keys)
     for seed, (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, dup, gate) in enumerate(TAIL_VARIANT_CASES):
         c = dict(tokens=tokens, experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, scoring=scoring,
                  has_bias=bias, renormalize=True, renorm_eps=1e-20, scale=2.5, logits_dtype=torch.bfloat16,
@@ -475,8 +508,37 @@ def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads):
         with fused_up_to(16 if fused else 0):
             assert_router_matches_reference(args)
     # every score ties: experts and groups to the lowest indices (routing kernel alone)
-    logits = torch.zeros(1, 64, device=DEVICE)
+    logits = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE)
     assert_matches_reference((logits, None, 8, 4, 2, 0, True, 0.0, 1.0, torch.float32))
+
+
+@pytest.mark.parametrize("scoring", [0, 1])
+def test_logit_keys_tie_semantics(scoring):
+    """int32 logit keys (bf16 rows, no bias, no groups): equal logits, -0.0 and +0.0 included, tie
+    to the lower index as in the reference; distinct logits whose fp32 scores are equal (softmax's
+    exp underflowing to 0; sigmoid saturating to 1) go to the larger logit, where the reference
+    takes the lower index: the documented difference. The weights are the same either way."""
+    assert K.routing_tail(128, False, 1, torch.bfloat16)[2] == 1
+    # Exact ties only: values from {-0.0, +0.0, 1.0}, signed zeros mixed.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.tensor([-0.0, 0.0, 1.0])[torch.randint(0, 3, (2, 128), generator=gen)]
+    assert_matches_reference((logits.to(torch.bfloat16).to(DEVICE), None, 12, 1, 1, scoring, True, 1e-20, 1.0, torch.float32))
+    # Score ties between distinct logits: 4 clear winners, then 124 logits whose scores are all
+    # 0.0 (softmax) or 1.0 (sigmoid, bf16 logits >= 17 give sigmoid == 1.0 in fp32).
+    tail = -100.0 - torch.arange(124.0) if scoring == 1 else 20.0 + torch.arange(124.0) / 4
+    head = torch.tensor([50.0, 49.0, 48.0, 47.0]) if scoring == 1 else torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    row = torch.cat([head, tail])[torch.randperm(128, generator=gen)].to(torch.bfloat16)
+    args = (row[None].to(DEVICE), None, 8, 1, 1, scoring, False, 0.0, 1.0, torch.float32)
+    weights, ids = run_kernel(args)
+    ref_w, ref_ids = moe_route_reference(*args)
+    torch.testing.assert_close(weights.cpu().sort(-1).values, ref_w.cpu().sort(-1).values, rtol=FP32_RTOL, atol=0)
+    x = row.float()
+    if scoring == 1:  # the 4 winners, then the 4 largest logits of the tied rest, in logit order
+        assert torch.equal(ids.cpu()[0, :4], ref_ids.cpu()[0, :4])
+        assert torch.equal(ids.cpu()[0], torch.argsort(x, descending=True, stable=True)[:8])
+    else:  # all 8 picks are tied at 1.0: the 8 largest logits
+        assert torch.equal(ids.cpu()[0], torch.argsort(x, descending=True, stable=True)[:8])
+    assert not torch.equal(ids.cpu(), ref_ids.cpu()), "the input no longer exercises the documented difference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,13 +588,18 @@ def test_router_gemm_variants_match_reference(monkeypatch, variant):
 
 def test_router_gemm_variant_shapes(monkeypatch):
     """The knobs' launch shapes at the models' widths (DeepSeek 7168 x 256, Qwen 4096 x 513)."""
-    # shipped (moe_route-14): one span per program, the GEMV body at one token, evict_last loads
+    # shipped (moe_route-14 on): one span per program, the GEMV body at one token, evict_last loads
     assert K.gemm_launch_config(1, 256, 7168) == (1, 16, 512, 1, 14, 4)  # span 896 -> 512
     assert K.gemm_launch_config(1, 513, 4096) == (1, 16, 1024, 1, 4, 4)  # span 1366 -> 1024
     assert K.gemm_launch_config(2, 256, 7168) == (16, 16, 512, 1, 14, 4)  # the GEMV body is one token's
     assert K.gemm_launch_config(64, 256, 7168)[2:] == (64, 14, 8, 4)  # two launches: 64-column steps
     assert K.gemm_variant_meta(1)[0]["GEMV"] and not K.gemm_variant_meta(16)[0]["GEMV"]
     assert K.gemm_variant_meta(16)[0]["W_EVICT"] == "evict_last" and K.gemm_variant_meta(64)[0]["W_EVICT"] == ""
+    # moe_route-15: the register cap on the <= 16-token launch only; 0 removes it
+    assert K.gemm_variant_meta(1)[1] == K.gemm_variant_meta(16)[1] == {"maxnreg": 128}
+    assert K.gemm_variant_meta(64)[1] == {}
+    monkeypatch.setattr(K, "_MAXNREG", 0)
+    assert K.gemm_variant_meta(1)[1] == {}
     # moe_route-13's shape
     monkeypatch.setattr(K, "_BLOCK_K", 64)
     monkeypatch.setattr(K, "_GEMV", False)
