@@ -12,7 +12,7 @@ and the counts mislead), and ``triton.compile`` targets ("cuda", 90, 32). The Tr
 
     python bench/sass_offline.py gdn [--tokens 1] [--conv-tile] [--sass out.sass]
     python bench/sass_offline.py router --model minimax-m2.5 [--knob _MAXNREG=128] [--sass out.sass]
-    python bench/sass_offline.py check     # every shipped launch compiles (tests/bench runs it)
+    python bench/sass_offline.py check     # the shipped launches compile (tests/bench runs it)
 
 prints the launch's grid, registers / stack / shared memory, and instruction counts by class
 (all, BAR, SHFL, STS, LDS, LDG, STG, ATOM, MEMBAR); ``--sass`` writes the listing.
@@ -155,10 +155,25 @@ def router_launches(model: str, tokens: int, knobs: dict) -> dict[str, _Recorder
                                  lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
 
 
+def logits_route_launch(model: str, tokens: int) -> _Recorder:
+    """moe_route_fwd (routing from given logits, the ``moe_route`` op) at the model's widths."""
+    from moe_router_check import MODELS
+
+    from fusion_compiler.kernels import moe_route as K
+    from fusion_compiler.ops import moe_route as ops
+
+    _, experts, routing, logits_dtype = MODELS[model]
+    bias = None if routing[3] == 1 else torch.randn(experts)
+    named = dict(zip(ops._ARG_NAMES, (torch.randn(tokens, experts, dtype=logits_dtype), bias, *routing)))
+    weights = torch.empty(tokens, routing[0], dtype=routing[-1])
+    ids = torch.empty(tokens, routing[0], dtype=torch.int64)
+    return captured_launch(K, "_moe_route_kernel", lambda: K.moe_route_fwd(named, weights, ids))
+
+
 def check_shipped() -> int:
-    """Compile every shipped launch of these two kernels for sm_90 (the GDN step at 1 and 64
-    sequences, both conv forms; the router of each model at 1, 2 and 64 tokens, both of its
-    kernels); one line each. Returns the number that failed. The CPU tests run the kernels in
+    """Compile the shipped launches of the GDN and routing kernels at the three models' widths
+    for sm_90 (the GDN step at 1 and 64 sequences, both conv forms; each model's router at 1, 2
+    and 64 tokens, both of its kernels, and its routing from logits); one line each. Returns the number that failed. The CPU tests run the kernels in
     Triton's interpreter, which executes the Python and so never compiles a branch it does not
     take: session 15 lost a device call to an int64 branch compiled for int32 keys."""
     from moe_router_check import MODELS
@@ -171,6 +186,8 @@ def check_shipped() -> int:
     cases += [(f"router {m} tokens={t} {name}", getattr(moe_route, name),
                lambda m=m, t=t, name=name: {name: router_launches(m, t, {})[name]})
               for m in MODELS for t in (1, 2, 64) for name in ROUTER_KERNELS]  # fmt: skip
+    cases += [(f"route from logits {m} tokens=3", moe_route._moe_route_kernel,
+               lambda m=m: {"_moe_route_kernel": logits_route_launch(m, 3)}) for m in MODELS]  # fmt: skip
     failures = 0
     for label, kernel, launch in cases:
         recorder = next(iter(launch().values()))

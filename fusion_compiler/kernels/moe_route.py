@@ -49,7 +49,8 @@ renormalisation is ``w / (sum + renorm_eps)`` then ``* scale``, in the reference
 ``exp`` may differ from torch's in the last ulp, so weights match to a few ulp and ids match
 exactly wherever scores are not within an ulp of a tie (and exactly on true ties).
 NaN logits: ids stay distinct and in [0, E); a NaN score ranks above +inf (torch's sort puts
-NaN first too), but with several NaNs or a NaN group score the choice is unspecified.
+NaN first too), but with several NaNs or a NaN group score the choice is unspecified.  With
+int32 logit keys a NaN logit ranks by its sign bit: above +inf if clear, below -inf if set.
 
 bf16 loads/stores go through ``_device.upcast`` / ``_device.downcast`` (bit-level casts under
 the interpreter, native casts on the GPU).  No host syncs in the launcher.
@@ -189,7 +190,11 @@ def _sum_partials(PARTIALS, offsets, mask, stride_ps, SPLIT: tl.constexpr, POLL:
     """Sum of the SPLIT fp32 partial GEMMs at ``offsets``, in split order (other programs or
     launches wrote them: read through L2).  POLL: other programs of this launch are still writing
     them over ``_UNWRITTEN`` (the one-token launch's polling router): reload until no lane of the
-    block reads it (the condition is block-wide, so every thread leaves the loop together)."""
+    block reads it.  The count is one reduction over the block, so every thread leaves the loop
+    in the same iteration with its own values written, provided no lane is held by two threads
+    (a replicated layout, where Triton may count one copy only): the launcher polls only rows of
+    at least 32 x num_warps lanes (``poll_rows``).  The gate column's [1] value is held by every
+    thread, and each thread counts its own copy."""
     if POLL and not INTERPRETER:  # the interpreter runs the router after every other program
         total, unwritten = _load_partials(PARTIALS, offsets, mask, stride_ps, SPLIT)
         while unwritten > 0:
@@ -518,7 +523,7 @@ def _router_gemm_kernel(
     K_STEPS: tl.constexpr,  # BLOCK_K steps per split of the hidden dim
     SPLIT: tl.constexpr,  # hidden-dim splits (grid axis 2)
     FP32_DOT: tl.constexpr,  # operands are not both bf16 / both fp16: fp32 dot, IEEE
-    ROUTE: tl.constexpr,  # the last T programs to finish route the T tokens (T <= BLOCK_T)
+    ROUTE: tl.constexpr,  # the GEMM's programs also route the T <= BLOCK_T tokens (below)
     HAS_GATE: tl.constexpr,  # GATE_W [1, H] is GEMM column E (Qwen's shared-expert gate)
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -542,8 +547,9 @@ def _router_gemm_kernel(
     program has arrived.  Only programs that
     have finished their GEMM wait, and they are at most R - 1 <= 15, so the programs they wait
     for always find a free slot on the GPU: no grid-wide co-residency is assumed.  The last one
-    to leave (COUNTERS[1]; at one token the only router, with no second atomic) zeroes both
-    counters for the next launch.  Triton's interpreter runs
+    to leave (COUNTERS[1]; with one router, no second atomic) zeroes both
+    counters for the next launch.  With POLL (one token) there are no counters: see below.
+    Triton's interpreter runs
     programs one after another, where a waiting program would never be joined, so there the
     last program routes the tokens in turn."""
     pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -567,8 +573,9 @@ def _router_gemm_kernel(
              mask=(t[:, None] < T) & (ex[None, :] < E + HAS_GATE))
 
     if ROUTE and POLL:
-        # One token: no counter, no fence. The program with the last linear id routes; it was
-        # dispatched after every other, and none of them waits, so its wait always ends. It
+        # One token: no counter, no fence. The program with the last id routes. It is the only
+        # program that waits and none of the others waits on anything, so its wait ends
+        # whatever the order the programs are scheduled in (no co-residency assumed). It
         # polls the partials, which hold _UNWRITTEN until their program's store lands, and puts
         # them back to _UNWRITTEN when done (so the buffer must start that way: _poll_partials).
         last = (pid_t == tl.num_programs(0) - 1) & (pid_e == tl.num_programs(1) - 1) & (pid_s == tl.num_programs(2) - 1)
@@ -843,6 +850,13 @@ _POLLED: dict[tuple[int, int, int], torch.Tensor] = {}
 _POLL_ONE_TOKEN = True
 
 
+def poll_rows(padded_experts: int, num_warps: int) -> bool:
+    """Whether one token's router polls (else it takes the counters): the A/B knob allows it and
+    the row has a lane for each of the launch's threads at least (``_sum_partials``: its exit
+    count assumes no lane is held by two threads)."""
+    return _POLL_ONE_TOKEN and padded_experts >= 32 * num_warps
+
+
 def _poll_partials(device: torch.device, split: int, columns: int) -> torch.Tensor:
     def unwritten():
         return torch.full((split, 1, columns), -1, dtype=torch.int32, device=device).view(torch.float32)
@@ -901,9 +915,13 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     columns = experts + has_gate
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid)
     fused = tokens <= min(FUSED_GEMM_MAX_TOKENS, block_t)
-    poll = fused and tokens == 1 and _POLL_ONE_TOKEN and _TAIL_DIAG is None
+    pollable = fused and poll_rows(meta["G_PAD"] * meta["GS_PAD"], num_warps)
+    # Every fused call makes the one-token buffer (the split is the same at 1-16 tokens), so a
+    # warm-up at any of those counts lets a later capture at one token find it.
+    polled = _poll_partials(hidden.device, split, columns) if pollable else None
+    poll = pollable and tokens == 1 and _TAIL_DIAG is None
     if poll:
-        partials = _poll_partials(hidden.device, split, columns)
+        partials = polled
     else:
         partials = torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE

@@ -392,8 +392,9 @@ def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
 def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, gate):
     """One token: the router polls the partial sums (no counters) and must put every one back to
     the unwritten bits for the next launch; two launches in a row on one buffer, different inputs,
-    both match the reference (Qwen's routing with its gate column, 4 hidden splits)."""
-    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 16)  # 2 expert tiles x 8 splits at 17 columns
+    both match the reference (a softmax row of 128 experts, the smallest that polls at 4 warps,
+    with or without the gate column, over 8 hidden splits)."""
+    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 64)  # 8 (9 with the gate) expert tiles x 8 splits
     buffers = {}
 
     def persistent(device, split, columns):
@@ -404,14 +405,34 @@ def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, ga
     monkeypatch.setattr(K, "_poll_partials", persistent)
     monkeypatch.setattr(K, "_counters", lambda device: pytest.fail("one token must not use the counters"))
     for seed in (1, 2):
-        c = dict(tokens=1, experts=16, n_group=1, topk_group=1, top_k=4, scoring=1, has_bias=False, renormalize=True,
+        c = dict(tokens=1, experts=128, n_group=1, topk_group=1, top_k=6, scoring=1, has_bias=False, renormalize=True,
                  renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.float32, seed=seed)
         args = router_args(c, 256, duplicate_rows=False, gate=gate)
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
         with fused_up_to(16):
             assert_router_matches_reference(args)
     (buffer,) = buffers.values()
-    assert buffer.shape[0] > 1 and bool((buffer.view(torch.int32) == -1).all()), "partials left written"
+    assert buffer.shape[0] == 8 and bool((buffer.view(torch.int32) == -1).all()), "partials left written"
+
+
+def test_router_gemm_narrow_rows_take_the_counters(monkeypatch):
+    """Fewer lanes than the launch's threads (64 experts at 4 warps): a lane would be held by two
+    threads, where the poll's exit count is not guaranteed to see every copy, so one token takes the
+    counters; at 2-16 tokens a pollable row still makes its one-token buffer (a warm-up at any of
+    those counts prepares a capture at one token)."""
+    assert not K.poll_rows(64, 4) and K.poll_rows(128, 4) and not K.poll_rows(128, 8)
+    made = []
+    monkeypatch.setattr(K, "_poll_partials", lambda device, split, columns: made.append((split, columns)) or
+                        torch.full((split, 1, columns), -1, dtype=torch.int32, device=device).view(torch.float32))  # fmt: skip
+    for experts, tokens in ((64, 1), (128, 3)):
+        c = dict(tokens=tokens, experts=experts, n_group=1, topk_group=1, top_k=4, scoring=0, has_bias=True,
+                 renormalize=True, renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.float32,
+                 seed=5)  # fmt: skip
+        args = router_args(c, 64, duplicate_rows=False)
+        assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
+        with fused_up_to(16):
+            assert_router_matches_reference(args)
+    assert [columns for _, columns in made] == [128], made
 
 
 def test_router_gemm_rejects_what_it_cannot_do():
@@ -519,10 +540,13 @@ def test_logit_keys_tie_semantics(scoring):
     exp underflowing to 0; sigmoid saturating to 1) go to the larger logit, where the reference
     takes the lower index: the documented difference. The weights are the same either way."""
     assert K.routing_tail(128, False, 1, torch.bfloat16)[2] == 1
-    # Exact ties only: values from {-0.0, +0.0, 1.0}, signed zeros mixed.
+    # Exact ties only: 8 ones, the rest -0.0 and +0.0 mixed; the top 24 reach 16 of the zeros.
     gen = torch.Generator().manual_seed(3)
-    logits = torch.tensor([-0.0, 0.0, 1.0])[torch.randint(0, 3, (2, 128), generator=gen)]
-    assert_matches_reference((logits.to(torch.bfloat16).to(DEVICE), None, 12, 1, 1, scoring, True, 1e-20, 1.0, torch.float32))
+    logits = torch.tensor([-0.0, 0.0])[torch.randint(0, 2, (2, 128), generator=gen)]
+    for row in logits:
+        row[torch.randperm(128, generator=gen)[:8]] = 1.0
+    assert (logits == 0).sum(-1).min() > 100 and torch.signbit(logits).any(-1).all()
+    assert_matches_reference((logits.to(torch.bfloat16).to(DEVICE), None, 24, 1, 1, scoring, True, 1e-20, 1.0, torch.float32))
     # Score ties between distinct logits: 4 clear winners, then 124 logits whose scores are all
     # 0.0 (softmax) or 1.0 (sigmoid, bf16 logits >= 17 give sigmoid == 1.0 in fp32).
     tail = -100.0 - torch.arange(124.0) if scoring == 1 else 20.0 + torch.arange(124.0) / 4
