@@ -5,12 +5,25 @@
 # widths. Results in $OUT/moe_results.tgz (the device returns at most 8 files). About 5 min.
 # `bash bench/moe_gpu_run.sh ab`: only the routing-tail A/B (every variant checked, then timed
 # at 1 / 2 / 16 tokens, with the router-weight copy floor), about 2 min.
+# `bash bench/moe_gpu_run.sh tail`: the 2x-the-copy bar as session 15 left it (NOTES.md): the
+# one-token router's CUDA-graph replay tests, the routing bench through torch.compile, and the
+# one-token tail variants timed rotated-cold beside the copy; about 5 min. Run
+# `python bench/sass_offline.py check` on CPU first.
 OUT=${OUT:-/tmp/out}
 R=$OUT/moe_results
 source bench/device_setup.sh "$R"
 if [ "${1:-}" = ab ]; then
   timeout 240 python3 bench/moe_router_check.py --parts ab --out "$R/moe_router_ab_h200.json" > "$R/moe_router_ab.log" 2>&1; echo "rc $?"
   grep -v "^ *$" "$R/moe_router_ab.log" | cut -c1-300 | tail -n 80
+  tar -czf "$OUT/moe_results.tgz" -C "$OUT" moe_results && rm -rf "$R"
+  exit 0
+fi
+if [ "${1:-}" = tail ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_moe_router_gpu.py 2>&1 | tail -n 8 | tee "$R/moe_router_gpu_tests.log"
+  timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 14
+  timeout 150 python3 bench/moe_router_check.py --parts gemm --gemm-variants shipped counters select_warp select_topk diag_gemm \
+    --gemm-tokens 1 --out "$R/moe_router_tail_h200.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
+  grep "copy\|^  [a-z]" "$R/moe_router_tail.log" | grep -v "{" | cut -c1-130
   tar -czf "$OUT/moe_results.tgz" -C "$OUT" moe_results && rm -rf "$R"
   exit 0
 fi
