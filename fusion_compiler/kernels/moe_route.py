@@ -88,7 +88,7 @@ _UNWRITTEN = tl.constexpr(-1)
 # The routing tail after the GEMM is latency at one token: TOP_K dependent block-wide reductions
 # (a bar.sync each), then an L2 round trip for the picked logits, then (Qwen) another for the
 # gate's partials.  SELECT 0: TOP_K rounds of one max-reduction; 1: tl.topk; 2: rounds within
-# each warp, then tl.topk over the warps' candidates (``_top_keys``).  TAIL_LOADS 0: the picked
+# each warp, then the warps' candidates merged by rank (``_top_keys``).  TAIL_LOADS 0: the picked
 # scores recomputed from reloaded logits, the gate's partials summed after the routing; 1: the
 # picked scores from the registers (the keys themselves without a bias, else one masked sum) and
 # the gate's partials loaded with the experts'; 2: as 1, from the 16-bit logit carried in the
@@ -130,8 +130,8 @@ def routing_tail(padded_experts: int, has_bias: bool, n_group: int, logits_dtype
 @triton.jit
 def _score_key(c, low):
     """int64 key ordered like (score c descending, then ``low`` descending); -0.0 counts as +0.0.
-    ``low`` (int64, < 2**32) is the expert's tie-break ``NP - 1 - e``, optionally shifted left by
-    16 over the raw bits of its 16-bit logit (``_logit_low``)."""
+    ``low`` (int64, < 2**32) is the expert's tie-break ``NP - 1 - e``, or (TAIL_LOADS 2 in
+    ``_route_rows``) that shifted left by 16 over the raw bits of its 16-bit logit."""
     bits = (c + 0.0).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their order
     return (ordered.to(tl.int64) << 32) | low
@@ -674,7 +674,8 @@ _MAX_SPLIT = 8
 #                 not ".cg" with a policy (ptxas: ".evict_last cannot be combined with .cg")
 # The shipped shape (moe_route-14; -15 added the register cap), from the session-12 A/B (H200, one
 # token, µs with the router weight cold, i.e. read from HBM as in a real step, against the same copy
-# cold; DeepSeek / MiniMax / Qwen3.5): moe_route-13's 64-column steps 10.62 / 6.95 / 13.91 (2.73 / 2.67 / 3.53x the copy);
+# cold; DeepSeek / MiniMax / Qwen3.5): moe_route-13's 64-column steps 10.62 / 6.95 / 13.91
+# (2.73 / 2.67 / 3.53x the copy);
 # one span per program with evict_last 7.37 / 5.17 / 8.96; the GEMV body at one token over spans
 # 7.55 / 5.24 / 7.06 (1.94 / 2.01 / 1.79x). Warm (L2-resident) within +-0.5 µs of -13 throughout.
 # At 2-16 tokens span + evict_last was the fastest cold (16 tokens: 8.69 / 6.68 / 9.26 against
@@ -920,10 +921,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     # warm-up at any of those counts lets a later capture at one token find it.
     polled = _poll_partials(hidden.device, split, columns) if pollable else None
     poll = pollable and tokens == 1 and _TAIL_DIAG is None
-    if poll:
-        partials = polled
-    else:
-        partials = torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
+    partials = polled if poll else torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE
     gate_arg = gate if has_gate else logits
     stride_g = gate.stride(0) if has_gate else 0
