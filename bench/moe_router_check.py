@@ -108,6 +108,20 @@ GEMM_VARIANTS = {
     # dependent waves under ptxas's register reuse; a register cap lets them issue together.
     # moe_route-15 ships 128 (SHIPPED_GEMM); no_maxnreg is moe_route-14's launch.
     "no_maxnreg": {"_MAXNREG": 0},
+    # Session 16: MiniMax sat at the 2x-the-copy bar (1.98-2.01x). Round 1 also timed sigmoid as
+    # rcp.rn.f32 and the poll's loads as ld.relaxed.gpu (inline PTX): no gain, and the relaxed
+    # loads doubled Qwen3.5's time (BENCHMARKS.md); both removed. Fewer experts per program at one
+    # token (GEMV only: tl.dot needs 16 rows) means fewer hidden-dim splits for the router to sum.
+    # Round 2 (round 1: 4 experts fastest for all three, 5.88 / 4.47 / 6.54 -> 5.53 / 4.15 / 5.83
+    # us; Qwen3.5 at the same split, so more programs mattered too): experts a program x the
+    # GEMV's span cap, as programs x splits at one token, DeepSeek / MiniMax / Qwen3.5: be4 448x7
+    # 192x3 516x4; be2 896x7 384x3 1028x4; be4_s2k 256x4 192x3 258x2; be2_s2k 512x4 256x2 514x2;
+    # be1_s2k 1024x4 512x2 1026x2; be2_s4k 256x2 256x2 257x1; be1_s4k 512x2 512x2 513x1.
+    **{f"be{e}" + ("" if span == 1024 else f"_s{span // 1024}k"): {"_BLOCK_E": e, "_MAX_GEMV_SPAN": span}
+       for e, span in ((8, 1024), (4, 1024), (2, 1024), (4, 2048), (2, 2048), (1, 2048), (2, 4096), (1, 4096))},
+    "diag_gemm_be4": {"_BLOCK_E": 4, "_TAIL_DIAG": "gemm"},
+    # moe_route-16 ships be2_s2k (5.35 / 3.93 / 5.74 us in round 2); route15 is -15's one-token shape.
+    "route15": {"_BLOCK_E": 16, "_MAX_GEMV_SPAN": 1024},
     "maxnreg128": {"_MAXNREG": 128},
     "maxnreg160": {"_MAXNREG": 160},
     # Session 15 (moe_route-15): the routing tail's forms (kernels/moe_route.py routing_tail). The

@@ -127,6 +127,10 @@ def gdn_launch(tokens: int, conv_tile: bool) -> _Recorder:
 ROUTER_KERNELS = ("_router_gemm_kernel", "_moe_route_kernel")
 
 
+def _knob_value(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
     """The GEMM-fused router launch (moe_router_fwd) at bench/moe_router_check.py's real widths."""
     launch = router_launches(model, tokens, knobs)["_router_gemm_kernel"]
@@ -209,7 +213,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (_CONV_TAPS False; gdn_decode-7)")
     parser.add_argument("--model", default="deepseek-v3.2", help="router: deepseek-v3.2, minimax-m2.5 or qwen3.5")
-    parser.add_argument("--knob", action="append", default=[], help="router: NAME=INT, a kernels/moe_route.py knob")
+    parser.add_argument("--knob", action="append", default=[], help="router: NAME=VALUE (int or str), a kernels/moe_route.py knob")
     parser.add_argument("--sass", help="write the SASS listing here")
     args = parser.parse_args()
     if args.kernel == "check":
@@ -218,7 +222,7 @@ def main() -> None:
         launch = gdn_launch(args.tokens, args.conv_tile)
         from fusion_compiler.kernels.gdn_decode import _gdn_decode_kernel as kernel
     else:
-        knobs = {k: int(v) for k, v in (item.split("=", 1) for item in args.knob)}
+        knobs = {k: _knob_value(v) for k, v in (item.split("=", 1) for item in args.knob)}
         launch = router_launch(args.model, args.tokens, knobs)
         from fusion_compiler.kernels.moe_route import _router_gemm_kernel as kernel
     result = summary(compile_sm90(kernel, launch.args, launch.kwargs))

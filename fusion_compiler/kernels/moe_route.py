@@ -73,7 +73,7 @@ from ._device import upcast as _upcast
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-15"
+KERNEL_VERSION = "moe_route-16"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -652,9 +652,11 @@ _MAX_SPLIT = 8
 # are (with _TARGET_PROGRAMS / _MAX_SPLIT).  Tokens > 16 (two launches) always take the shipped shape.
 #   _BLOCK_K      hidden columns per step (power of two >= 16); 0: one step per program, its whole
 #                 split in one tile, so all its loads issue at once (the span ~hidden * tiles /
-#                 _TARGET_PROGRAMS rounded down to a power of two, at most _MAX_SPAN: about 1x-2x
+#                 _TARGET_PROGRAMS rounded down to a power of two, at most _MAX_SPAN, or
+#                 _MAX_GEMV_SPAN for the GEMV body: about 1x-2x
 #                 _TARGET_PROGRAMS programs; _MAX_SPLIT ignored)
-#   _BLOCK_E      router-weight rows (experts) per program (power of two >= 16)
+#   _BLOCK_E      router-weight rows (experts) per program (power of two; >= 16 for tl.dot, i.e.
+#                 above one token; the GEMV body at one token ships SHIPPED_GEMM["gemv_block_e"])
 #   _GEMM_WARPS   num_warps of the launch (the routing tail runs in these warps too)
 #   _GEMM_STAGES  num_stages of the launch (software pipelining of the K loop: sm_90 ptxas output of
 #                 the shipped shape has its tiles fetched by cp.async num_stages - 1 steps ahead)
@@ -682,7 +684,12 @@ _MAX_SPLIT = 8
 # 11.28 / 7.63 / 14.80). "Cold" there subtracts a flush graph; timed by rotating over weight
 # copies instead (cleaner), -14 at one token is 7.61 / 5.72 / 8.35 µs, 2.36 / 2.58 / 2.43x the
 # copy timed the same way (-13: 9.50 / 6.16 / 13.56).
-SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"), maxnreg=128)
+# moe_route-16: at one token (the GEMV body) 2 experts a program over spans of at most 2048 hidden
+# columns (8 KB a program; DeepSeek / MiniMax / Qwen3.5 512 x 4 / 256 x 2 / 514 x 2 programs x
+# splits, from 224 x 14 / 192 x 12 / 132 x 4), session 16's A/B (rotated cold, one token): 5.90 /
+# 4.42 / 6.53 -> 5.35 / 3.93 / 5.74 us. More programs stream the weight faster (Qwen3.5's gain at
+# the same split) and fewer splits leave the router fewer partial sums to poll, sum and reset.
+SHIPPED_GEMM = dict(block_k=0, gemv=True, w_hints=("", "evict_last"), maxnreg=128, gemv_block_e=2)
 _BLOCK_K: int | None = None
 _BLOCK_E: int | None = None
 _GEMM_WARPS: int | None = None
@@ -697,6 +704,7 @@ _W_HINTS: tuple[str, str] | None = None
 _TAIL_DIAG: str | None = None
 _MIN_BLOCK_K = 16  # tl.dot's smallest K
 _MAX_SPAN = 1024  # a [16, 1024] bf16 operand pair is 64 KB of shared memory for tl.dot's shuffle
+_MAX_GEMV_SPAN = 2048  # the GEMV body has no shared-memory operands (moe_route-16); A/B knob
 
 
 def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int, int, int, int, int]:
@@ -704,19 +712,21 @@ def gemm_launch_config(tokens: int, experts: int, hidden: int) -> tuple[int, int
 
     Up to 16 tokens (``SHIPPED_GEMM``): each program reads one span of the hidden dim in one
     tile, so all its weight loads are in flight at once; at one token the GEMV body (BLOCK_T 1:
-    fp32 multiply-adds, no 16-row padding for tl.dot), else tokens padded to tl.dot's 16. Above
+    fp32 multiply-adds, no 16-row padding for tl.dot; 2 experts a program, spans up to
+    ``_MAX_GEMV_SPAN``), else tokens padded to tl.dot's 16 and 16 experts a program. Above
     16 tokens, 64-column steps with the hidden dim split until there are about _TARGET_PROGRAMS
     programs, each reading its weight tile once."""
     small = tokens <= 16  # the one-launch regime the A/B knobs shape
     gemv = small and tokens == 1 and (SHIPPED_GEMM["gemv"] if _GEMV is None else bool(_GEMV))
     block_t = 1 if gemv else (16 if tokens <= 16 else (32 if tokens <= 32 else 64))
-    block_e = _BLOCK_E if small and _BLOCK_E is not None else 16
+    block_e = _BLOCK_E if small and _BLOCK_E is not None else (SHIPPED_GEMM["gemv_block_e"] if gemv else 16)
     block_k = (SHIPPED_GEMM["block_k"] if _BLOCK_K is None else _BLOCK_K) if small else 64
     num_warps = _GEMM_WARPS if small and _GEMM_WARPS is not None else 4
     tiles = triton.cdiv(tokens, block_t) * triton.cdiv(experts, block_e)
     if block_k == 0:  # one step per program: the split's whole span in one tile
         span = triton.cdiv(hidden, max(1, _TARGET_PROGRAMS // tiles))
-        block_k = min(_MAX_SPAN, max(_MIN_BLOCK_K, triton.next_power_of_2(span + 1) // 2))  # rounded down
+        cap = _MAX_GEMV_SPAN if gemv else _MAX_SPAN
+        block_k = min(cap, max(_MIN_BLOCK_K, triton.next_power_of_2(span + 1) // 2))  # rounded down
         return block_t, block_e, block_k, 1, triton.cdiv(hidden, block_k), num_warps
     k_blocks = triton.cdiv(hidden, block_k)
     split = max(1, min(_MAX_SPLIT, k_blocks, _TARGET_PROGRAMS // tiles))
@@ -917,9 +927,10 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid)
     fused = tokens <= min(FUSED_GEMM_MAX_TOKENS, block_t)
     pollable = fused and poll_rows(meta["G_PAD"] * meta["GS_PAD"], num_warps)
-    # Every fused call makes the one-token buffer (the split is the same at 1-16 tokens), so a
-    # warm-up at any of those counts lets a later capture at one token find it.
-    polled = _poll_partials(hidden.device, split, columns) if pollable else None
+    # Every fused call makes the one-token buffer (for the one-token launch's split, which the
+    # GEMV shape sets apart from 2-16 tokens'), so a warm-up at any of those counts lets a later
+    # capture at one token find it.
+    polled = _poll_partials(hidden.device, gemm_launch_config(1, columns, hid)[4], columns) if pollable else None
     poll = pollable and tokens == 1 and _TAIL_DIAG is None
     partials = polled if poll else torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE

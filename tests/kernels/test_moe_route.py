@@ -169,7 +169,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-15"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-16"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -395,6 +395,7 @@ def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, ga
     both match the reference (a softmax row of 128 experts, the smallest that polls at 4 warps,
     with or without the gate column, over 8 hidden splits)."""
     monkeypatch.setattr(K, "_TARGET_PROGRAMS", 64)  # 8 (9 with the gate) expert tiles x 8 splits
+    monkeypatch.setattr(K, "_BLOCK_E", 16)  # (the shipped GEMV shape gives this row one split)
     buffers = {}
 
     def persistent(device, split, columns):
@@ -432,7 +433,7 @@ def test_router_gemm_narrow_rows_take_the_counters(monkeypatch):
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
         with fused_up_to(16):
             assert_router_matches_reference(args)
-    assert [columns for _, columns in made] == [128], made
+    assert made == [(K.gemm_launch_config(1, 128, 64)[4], 128)], made  # the one-token launch's split
 
 
 def test_router_gemm_rejects_what_it_cannot_do():
@@ -612,9 +613,11 @@ def test_router_gemm_variants_match_reference(monkeypatch, variant):
 
 def test_router_gemm_variant_shapes(monkeypatch):
     """The knobs' launch shapes at the models' widths (DeepSeek 7168 x 256, Qwen 4096 x 513)."""
-    # shipped (moe_route-14 on): one span per program, the GEMV body at one token, evict_last loads
-    assert K.gemm_launch_config(1, 256, 7168) == (1, 16, 512, 1, 14, 4)  # span 896 -> 512
-    assert K.gemm_launch_config(1, 513, 4096) == (1, 16, 1024, 1, 4, 4)  # span 1366 -> 1024
+    # shipped (moe_route-14 on): one span per program, the GEMV body at one token, evict_last loads;
+    # moe_route-16: 2 experts a program at one token, spans up to 2048
+    assert K.gemm_launch_config(1, 256, 7168) == (1, 2, 2048, 1, 4, 4)  # span 7168 -> 2048
+    assert K.gemm_launch_config(1, 256, 3072) == (1, 2, 2048, 1, 2, 4)
+    assert K.gemm_launch_config(1, 513, 4096) == (1, 2, 2048, 1, 2, 4)
     assert K.gemm_launch_config(2, 256, 7168) == (16, 16, 512, 1, 14, 4)  # the GEMV body is one token's
     assert K.gemm_launch_config(64, 256, 7168)[2:] == (64, 14, 8, 4)  # two launches: 64-column steps
     assert K.gemm_variant_meta(1)[0]["GEMV"] and not K.gemm_variant_meta(16)[0]["GEMV"]
