@@ -61,7 +61,9 @@ class FusionConfig:
         one launch each side of the q_b GEMM (DeepSeek V3.2: 2 kernels instead of 5).
     merge_projections: GEMMs left after the families that read the same activation (q / k / v,
         a shared expert's gate / up, ...) become one GEMM over the concatenated weights
-        (passes/merge_projections.py; the concatenation is made once, on the first call).
+        (passes/merge_projections.py; the concatenation is made once, on the first call). A
+        weight cast to a wider float before its GEMM (``x @ w.float().t()``) is read in its
+        stored dtype and widened in the GEMM, with no wider copy written each call.
     skinny_gemm: on CUDA, a projection left alone (o_proj, out_proj, a shared expert's down, ...)
         becomes the same op with one weight, and every such GEMM of at most
         ``kernels/skinny_gemm.MAX_TOKENS`` rows runs our skinny GEMM kernel (one launch that

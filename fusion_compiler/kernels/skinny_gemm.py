@@ -19,7 +19,8 @@ within 0-8% of it on every projection, and no one shape was best on all (session
 ``_BLOCK_N`` / ``_BLOCK_K`` / ``_WARPS`` override it for bench/skinny_gemm_check.py.
 
 Numerics: fp32 accumulation in the kernel's tree order (cuBLAS sums in its own order), rounded
-once to the output dtype, as cuBLAS rounds a bf16 GEMM. Under ``TRITON_INTERPRET=1`` (set before
+once to the output dtype (x's), as cuBLAS rounds a bf16 GEMM. The weight may be a narrower float
+than x (bf16 / fp16 weights, fp32 x: ``x @ w.float().t()``, an exact widening done in registers). Under ``TRITON_INTERPRET=1`` (set before
 importing) it runs on CPU tensors with the bit-exact bf16 casts of ``_device``.
 """
 
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, rows_dot_step
 
-KERNEL_VERSION = "skinny_gemm-1"
+KERNEL_VERSION = "skinny_gemm-2"
 
 # The largest M the kernel takes (the op falls back to torch.mm above it): L2 serves each weight
 # byte M times. H200, session 14 (bench/skinny_gemm_check.py, results/skinny_gemm_h200_session14.json;
@@ -39,6 +40,7 @@ KERNEL_VERSION = "skinny_gemm-1"
 # kernel, 41-89% of the copy bandwidth); at 2 0.78-1.31x, at 4 0.49-0.86x, at 8 0.29-0.52x.
 MAX_TOKENS = 1
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_WIDENED_FROM = {torch.float32: (torch.bfloat16, torch.float16)}  # weight dtypes read under an fp32 x
 _BLOCK_N = 2
 _BLOCK_K = 1024
 _WARPS = 2
@@ -67,16 +69,18 @@ def _skinny_gemm_kernel(
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_gemm`` takes these: 2-D, one float dtype, unit stride along K, M <= MAX_TOKENS."""
+    """Whether ``skinny_gemm`` takes these: 2-D floats, the weight's dtype x's or a half-precision
+    one under fp32 x, unit stride along K, M <= MAX_TOKENS."""
     return (
         x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-        and x.dtype == weight.dtype and x.dtype in _DTYPES
+        and x.dtype in _DTYPES and weight.dtype in (x.dtype,) + _WIDENED_FROM.get(x.dtype, ())
         and 0 < x.shape[0] <= MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1
     )  # fmt: skip
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` in x's dtype ([M, K] x [N, K] -> [M, N]); ``out`` (contiguous rows) if given.
+    """``x @ weight.T`` in x's dtype ([M, K] x [N, K] -> [M, N], the weight widened to x's dtype
+    exactly); ``out`` (contiguous rows) if given.
     No host syncs: a CUDA graph captures it."""
     if not supports(x, weight):
         raise ValueError(

@@ -1,6 +1,8 @@
 """``fusion_compiler::merged_linear``: projections that read the same activation, as one GEMM.
 
-``merged_linear(x [M, K], [w_0 [N_0, K], w_1 [N_1, K], ...]) -> x @ cat(w_i)^T  [M, sum N_i]``.
+``merged_linear(x [M, K], [w_0 [N_0, K], w_1 [N_1, K], ...]) -> x @ cat(w_i)^T  [M, sum N_i]``,
+in x's dtype. The weights share one dtype, x's or a float that widens exactly to it (bf16 weights
+of an fp32 GEMM): they are widened as they are read, not copied wider first.
 
 On CUDA with at most ``kernels/skinny_gemm.MAX_TOKENS`` rows the GEMM is our skinny GEMM kernel
 (one launch streaming the weight; cuBLAS takes a split-K GEMM and a reduce kernel there), else
@@ -69,7 +71,7 @@ def merged_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
 
         if skinny.supports(x, weight):
             return skinny.skinny_gemm(x, weight)
-    return torch.mm(x, weight.t())
+    return torch.mm(x, weight.to(x.dtype).t())
 
 
 @merged_linear.register_fake
@@ -79,4 +81,4 @@ def _(x, weights):
 
 def merged_linear_reference(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """The GEMMs it replaces, one by one, side by side."""
-    return torch.cat([torch.mm(x, w.t()) for w in weights], dim=1)
+    return torch.cat([torch.mm(x, w.to(x.dtype).t()) for w in weights], dim=1)

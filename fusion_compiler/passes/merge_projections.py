@@ -8,7 +8,8 @@ GEMMs inside a fused site (the router's) are already gone from the graph; each m
 consumers read a slice of the merged output, a view.
 
 Keyed on the graph, not on module names: any ``mm`` whose second operand is a transposed weight
-(a placeholder or a constant, 2-D) joins the group of the activation it reads, where the
+(a placeholder or a constant, 2-D, possibly cast to a wider float first: it is then read in its
+stored dtype) joins the group of the activation it reads, where the
 activation is the same node or the same reshape of the same node (HF reshapes the normed hidden
 state once per projection). Groups of one are left alone, except on the devices in
 ``single_devices`` (CUDA with ``FusionConfig.skinny_gemm``): there a lone projection becomes the
@@ -27,14 +28,41 @@ from ..patterns.graph_walk import RESHAPES
 aten = torch.ops.aten
 
 
+# Exact float widenings (every value of the narrower dtype is one of the wider): a weight cast
+# this way before its GEMM (DeepSeek's simulated FP8 GEMMs: ``x @ w.float().t()``) is read in its
+# stored dtype by merged_linear, which widens it in registers, instead of a cast kernel writing
+# the wider copy for the GEMM to read back (3x the weight's bytes, then 2x, at fp32 from bf16).
+_WIDENINGS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+}  # fmt: skip
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _unwidened(node):
+    """The input of an exact float widening (``convert_element_type`` / ``_to_copy`` with only a
+    dtype), else ``node``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _CASTS:
+        return node
+    source, val = node.args[0], node.meta.get("val")
+    source_val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
+        return node  # a device or layout change too
+    if val is None or source_val is None or (source_val.dtype, val.dtype) not in _WIDENINGS:
+        return node
+    return source
+
+
 def _weight_of(transposed: torch.fx.Node) -> torch.fx.Node | None:
-    """``w`` of ``permute(w, [1, 0])`` / ``t(w)`` when w is a 2-D weight (placeholder or constant)."""
-    if transposed.op != "call_function":
+    """``w`` of ``permute(w, [1, 0])`` / ``t(w)`` when w is a 2-D weight (placeholder or constant),
+    possibly exactly widened (before or after the transpose)."""
+    transposed = _unwidened(transposed)
+    if not isinstance(transposed, torch.fx.Node) or transposed.op != "call_function":
         return None
     if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0]:
-        weight = transposed.args[0]
+        weight = _unwidened(transposed.args[0])
     elif transposed.target is aten.t.default:
-        weight = transposed.args[0]
+        weight = _unwidened(transposed.args[0])
     else:
         return None
     val = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None

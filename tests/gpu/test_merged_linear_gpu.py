@@ -43,3 +43,18 @@ def test_a_capture_before_the_merge_raises():
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         with torch.cuda.graph(graph):
             torch.ops.fusion_compiler.merged_linear(x, weights)
+
+
+@requires_cuda
+def test_bf16_weights_under_an_fp32_x_are_one_kernel_with_no_fp32_copy():
+    """``x @ w.float().t()`` at one row: our kernel reads the bf16 weights (one launch, no cast
+    kernel); the fp32 output within fp32 rounding of float64."""
+    x = torch.randn(1, 1024, device="cuda")
+    weights = _weights(768, 256)
+    expected = torch.cat([x.double() @ w.detach().double().t() for w in weights], dim=1)
+    torch.ops.fusion_compiler.merged_linear(x, weights)  # merges
+    kernels = count_cuda_kernels(lambda: torch.ops.fusion_compiler.merged_linear(x, weights))
+    assert kernels.count == 1 and any("skinny" in name for name in kernels.names), kernels.names
+    out = torch.ops.fusion_compiler.merged_linear(x, weights)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -48,6 +48,20 @@ def test_matches_float64(monkeypatch, m, n, k, block_k, dtype):
     _check(out, x, w)
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 64, 256), (1, 37, 100)])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+def test_widened_weight_matches_float64(m, n, k, weight_dtype):
+    """fp32 x, half-precision weight (``x @ w.float().t()``): the weight widened in registers,
+    an fp32 output within fp32 rounding of float64."""
+    x, _ = _inputs(m, n, k, torch.float32, seed=n + k)
+    _, w = _inputs(m, n, k, weight_dtype, seed=n + k + 1)
+    assert K.supports(x, w) and not K.supports(x.to(weight_dtype), w.float())  # never a narrowing
+    buf, out = poisoned((m, n), torch.float32)
+    K.skinny_gemm(x, w, out)
+    assert_guards_untouched(buf)
+    _check(out, x, w)
+
+
 def test_strided_activation_rows():
     """x as a column slice of a wider row (unit stride along K, row stride > K)."""
     gen = torch.Generator().manual_seed(7)
@@ -63,10 +77,10 @@ def test_supports_only_small_m_and_unit_stride():
     assert K.supports(x[: K.MAX_TOKENS], w)
     assert not K.supports(x[:1], w[:, :16])  # shapes disagree
     assert not K.supports(x[:1, ::2], w[:, :16])  # K stride 2
-    assert not K.supports(x[:1], w.float())  # mixed dtypes
+    assert not K.supports(x[:1], w.float())  # a weight wider than x
     with pytest.raises(ValueError, match="not supported"):
         K.skinny_gemm(x, w)
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["merge_projections"] == K.KERNEL_VERSION == "skinny_gemm-1"
+    assert KERNEL_VERSIONS["merge_projections"] == K.KERNEL_VERSION == "skinny_gemm-2"

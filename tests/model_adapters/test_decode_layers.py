@@ -215,6 +215,41 @@ def test_compiled_code_calls_the_experts_op_once_per_layer(fused_run):
     assert calls == len(fused_run["model"].layers)
 
 
+def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
+    """DeepSeek's simulated FP8 GEMMs (``dequantised x @ w.float().t()``): per layer the fused
+    q_a / kv_a projection and the q latent's two (q_b, the indexer's wq_b: one activation, one
+    merged GEMM) become merged_linear reading the bf16 weights, with no fp32 copy of them (a lone
+    one only where FusionConfig.skinny_gemm reaches, CUDA: made CPU here to see it)."""
+    from fusion_compiler.passes import fusion_pass
+
+    real, widened = fusion_pass.merge_projections, []
+
+    def cpu_too(graph, single_devices):
+        result = real(graph, single_devices + ("cpu",))
+        for node in graph.nodes:
+            if node.target is torch.ops.fusion_compiler.merged_linear.default:
+                x, weights = node.args
+                widened.extend(tuple(w.meta["val"].shape) for w in weights if w.meta["val"].dtype != x.meta["val"].dtype)
+        return result
+
+    monkeypatch.setattr(fusion_pass, "merge_projections", cpu_too)
+    model = _build("deepseek", 2)
+    step = deepseek.make_step(model, tokens=2)
+    eager_step, fused_step = step.clone(), step.clone()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(**eager_step.kwargs)
+        fused = torch.compile(model, backend=fc.FusionBackend(fc.FusionConfig()))(**fused_step.kwargs)
+    attn = model.layers[0].self_attn
+    per_layer = sorted(tuple(w.shape) for w in (attn.fused_qkv_a_proj, attn.q_b_proj, attn.indexer.wq_b))
+    assert sorted(widened) == sorted(per_layer * 2), widened
+    # 1.2e-2 with or without this pass (or any merging): two layers of bf16 rounding and FP8
+    # re-quantisation; the first layer's cache rows are the same bytes.
+    assert relative_error(fused, eager) < 2e-2
+    for caches in ("latent_caches", "index_caches"):
+        assert torch.equal(fused_step.kwargs[caches][0], eager_step.kwargs[caches][0])
+
+
 # ------------------------------------------------------------------------------------------
 # Real widths
 # ------------------------------------------------------------------------------------------

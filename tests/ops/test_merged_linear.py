@@ -21,6 +21,19 @@ def test_equals_the_gemms_it_replaces():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_weights_narrower_than_x_are_widened_exactly():
+    """bf16 weights under an fp32 x (``x @ w.float().t()``): merged in their own dtype, widened as
+    read; the output is x's dtype and equals the fp32 GEMMs of the widened weights."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=gen)
+    weights = [torch.nn.Parameter(w.bfloat16()) for w in _weights(gen, 24, 8)]
+    expected = torch.cat([x.double() @ w.detach().double().t() for w in weights], dim=1).float()
+    out = torch.ops.fusion_compiler.merged_linear(x, weights)
+    assert out.dtype == torch.float32 and weights[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.merged_linear_reference(x, weights), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_weights_become_rows_of_one_buffer_once():
     gen = torch.Generator().manual_seed(1)
     weights = _weights(gen, 32, 8)

@@ -74,10 +74,11 @@ def test_off_leaves_every_gemm():
     assert backend.report.merged_projections() == []
 
 
-def _projections(x, y, wq, wk, wo, wd):
-    """q / k of x (a group), a lone projection of y, and an fp64 one of a converted weight (no
-    placeholder weight: not a projection)."""
-    return x @ wq.t(), x @ wk.t(), y @ wo.t(), x.double() @ wd.double().t()
+def _projections(x, y, wq, wk, wo, wd, wh):
+    """q / k of x (a group); a lone projection of y; an fp64 one of an exactly widened weight (a
+    projection: the op reads the fp32 weight); a bf16 one of a narrowed weight (rounded: not a
+    weight the op could read, so not a projection)."""
+    return x @ wq.t(), x @ wk.t(), y @ wo.t(), x.double() @ wd.double().t(), x.bfloat16() @ wh.bfloat16().t()
 
 
 def _traced_projections():
@@ -85,22 +86,28 @@ def _traced_projections():
 
     gen = torch.Generator().manual_seed(4)
     args = (torch.randn(2, 32, generator=gen), torch.randn(1, 48, generator=gen), torch.randn(16, 32, generator=gen),
-            torch.randn(8, 32, generator=gen), torch.randn(32, 48, generator=gen), torch.randn(8, 32, generator=gen))  # fmt: skip
+            torch.randn(8, 32, generator=gen), torch.randn(32, 48, generator=gen), torch.randn(8, 32, generator=gen),
+            torch.randn(4, 32, generator=gen))  # fmt: skip
     return make_fx(_projections, tracing_mode="fake")(*args), args
 
 
-@pytest.mark.parametrize("single_devices, singles", [((), 0), (("cpu",), 1), (("cuda",), 0)])
+@pytest.mark.parametrize("single_devices, singles", [((), 0), (("cpu",), 2), (("cuda",), 0)])
 def test_lone_projections_become_the_op_only_on_the_named_devices(single_devices, singles):
     """FusionConfig.skinny_gemm passes ("cuda",): a lone projection there becomes merged_linear
-    with one weight (the skinny GEMM path); elsewhere nothing changes, nor does a GEMM whose
-    second operand is not a transposed weight."""
+    with one weight (the skinny GEMM path), an exactly widened weight read in its own dtype;
+    elsewhere nothing changes, nor does a GEMM whose second operand is a narrowed weight."""
     from fusion_compiler.passes.merge_projections import merge_projections
 
     gm, args = _traced_projections()
     merged, lone = merge_projections(gm.graph, single_devices)
+    gm.graph.eliminate_dead_code()  # as the fusion pass does after its passes
     gm.recompile()
     assert (merged, lone) == ([2], singles)
     ops = [n for n in gm.graph.nodes if n.target is torch.ops.fusion_compiler.merged_linear.default]
     assert sorted(len(n.args[1]) for n in ops) == sorted([2] + [1] * singles)
+    weight_dtypes = sorted(str(w.meta["val"].dtype) for n in ops for w in n.args[1])
+    assert weight_dtypes == sorted(["torch.float32"] * (2 + singles)), weight_dtypes  # fp32 wd, not its fp64 copy
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert len(casts) == (3 if singles else 4)  # x.double(), x.bfloat16(), wh.bfloat16() (+ wd.double())
     for out, ref in zip(gm(*args), _projections(*args), strict=True):
         torch.testing.assert_close(out, ref)
