@@ -219,7 +219,8 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
     """DeepSeek's simulated FP8 GEMMs (``dequantised x @ w.float().t()``): per layer the fused
     q_a / kv_a projection and the q latent's two (q_b, the indexer's wq_b: one activation, one
     merged GEMM) become merged_linear reading the bf16 weights, with no fp32 copy of them (a lone
-    one only where FusionConfig.skinny_gemm reaches, CUDA: made CPU here to see it)."""
+    one only where FusionConfig.skinny_gemm reaches, CUDA: made CPU here to see it). (Two layers
+    give 2x the same count; their output is 1.2e-2 from eager with or without this pass.)"""
     from fusion_compiler.passes import fusion_pass
 
     real, widened = fusion_pass.merge_projections, []
@@ -233,7 +234,7 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
         return result
 
     monkeypatch.setattr(fusion_pass, "merge_projections", cpu_too)
-    model = _build("deepseek", 2)
+    model = _build("deepseek", 1)
     step = deepseek.make_step(model, tokens=2)
     eager_step, fused_step = step.clone(), step.clone()
     torch._dynamo.reset()
@@ -242,12 +243,10 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
         fused = torch.compile(model, backend=fc.FusionBackend(fc.FusionConfig()))(**fused_step.kwargs)
     attn = model.layers[0].self_attn
     per_layer = sorted(tuple(w.shape) for w in (attn.fused_qkv_a_proj, attn.q_b_proj, attn.indexer.wq_b))
-    assert sorted(widened) == sorted(per_layer * 2), widened
-    # 1.2e-2 with or without this pass (or any merging): two layers of bf16 rounding and FP8
-    # re-quantisation; the first layer's cache rows are the same bytes.
-    assert relative_error(fused, eager) < 2e-2
-    for caches in ("latent_caches", "index_caches"):
-        assert torch.equal(fused_step.kwargs[caches][0], eager_step.kwargs[caches][0])
+    assert sorted(widened) == per_layer, widened
+    assert relative_error(fused, eager) < 1e-2
+    for fused_cache, eager_cache in zip(fused_step.caches(), eager_step.caches()):
+        assert torch.equal(fused_cache, eager_cache)  # FP8 rows, byte for byte
 
 
 # ------------------------------------------------------------------------------------------
