@@ -930,7 +930,8 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     # Every fused call makes the one-token buffer (for the one-token launch's split, which the
     # GEMV shape sets apart from 2-16 tokens'), so a warm-up at any of those counts lets a later
     # capture at one token find it.
-    polled = _poll_partials(hidden.device, gemm_launch_config(1, columns, hid)[4], columns) if pollable else None
+    one_token_split = split if tokens == 1 else gemm_launch_config(1, columns, hid)[4]
+    polled = _poll_partials(hidden.device, one_token_split, columns) if pollable else None
     poll = pollable and tokens == 1 and _TAIL_DIAG is None
     partials = polled if poll else torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE

@@ -20,8 +20,9 @@ within 0-8% of it on every projection, and no one shape was best on all (session
 
 Numerics: fp32 accumulation in the kernel's tree order (cuBLAS sums in its own order), rounded
 once to the output dtype (x's), as cuBLAS rounds a bf16 GEMM. The weight may be a narrower float
-than x (bf16 / fp16 weights, fp32 x: ``x @ w.float().t()``, an exact widening done in registers). Under ``TRITON_INTERPRET=1`` (set before
-importing) it runs on CPU tensors with the bit-exact bf16 casts of ``_device``.
+than x (bf16 / fp16 weights, fp32 x: ``x @ w.float().t()``, an exact widening done in
+registers). Under ``TRITON_INTERPRET=1`` (set before importing) it runs on CPU tensors with the
+bit-exact bf16 casts of ``_device``.
 """
 
 from __future__ import annotations

@@ -32,14 +32,13 @@ import operator
 import torch
 
 from ..module_paths import module_path
-from ..patterns.graph_walk import RESHAPES, target, val_shape
+from ..patterns.graph_walk import CASTS, RESHAPES, target, val_shape
 from .explain import chain
 from .report import Site
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 FAMILY = "dsa_topk_mask"
 
-_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 _BROADCASTS = (*RESHAPES, aten.expand.default, aten.clone.default)
 
 
@@ -59,7 +58,7 @@ def _require(ok: bool, node: torch.fx.Node, reason: str) -> None:
 def _before_upcasts(node: torch.fx.Node) -> torch.fx.Node:
     """The tensor under ``.float()`` casts (HF's scores are fp32 products of bf16 values, what the
     op computes); a cast down stays, so the op reads the rounded tensor as the model did."""
-    while target(node) in _CASTS and node.meta["val"].dtype == torch.float32:
+    while target(node) in CASTS and node.meta["val"].dtype == torch.float32:
         node = node.args[0]
     return node
 
@@ -109,7 +108,7 @@ def _scatter_of(topk: torch.fx.Node) -> torch.fx.Node | None:
             base, dim, _, value = node.args
             mask_like = _is_full(base, True) and val_shape(base) == val_shape(topk.args[0])
             return node if mask_like and dim in (-1, len(val_shape(base)) - 1) and value is False else None
-        if target(node) not in _CASTS:
+        if target(node) not in CASTS:
             return None
     return None
 

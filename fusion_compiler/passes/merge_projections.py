@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from ..ops import merged_linear as merged_ops
-from ..patterns.graph_walk import RESHAPES
+from ..patterns.graph_walk import CASTS, RESHAPES
 
 aten = torch.ops.aten
 
@@ -36,13 +36,12 @@ _WIDENINGS = {
     (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
     (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
 }  # fmt: skip
-_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 
 
 def _unwidened(node):
     """The input of an exact float widening (``convert_element_type`` / ``_to_copy`` with only a
     dtype), else ``node``."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _CASTS:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in CASTS:
         return node
     source, val = node.args[0], node.meta.get("val")
     source_val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None

@@ -6,6 +6,7 @@ import torch
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)  # .float() and kin
 
 
 def val_shape(node) -> tuple | None:
