@@ -5,7 +5,7 @@ shared expert, MiniMax's o_proj, DeepSeek V3.2's o_proj and shared expert, and t
 merged one, Qwen3.5's GDN in_proj), at M = 1, 2, 4, 8 rows: CUDA-graph µs of torch.mm (cuBLAS)
 and of the kernel, each over weight copies rotated so every call reads its weight from HBM;
 kernels per call (profiler); GB/s of the weight bytes; relative error of both against float64.
-Then the kernel's launch shapes (_BLOCK_N, _BLOCK_K, _WARPS) at M = 1. The kernel is timed
+Then the kernel's launch shapes (SkinnyConfig's block_n, block_k, warps) at M = 1. The kernel is timed
 above its shipped MAX_TOKENS too, to choose that threshold.
 
     python bench/skinny_gemm_check.py --out bench/results/skinny_gemm_h200.json
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth_gbs()
     rows = []
-    K.MAX_TOKENS = max(args.tokens)  # time the kernel above the shipped threshold too
+    above = K.SkinnyConfig(max_tokens=max(args.tokens))  # time the kernel above the shipped threshold too
     for name, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
@@ -61,7 +61,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             exact = x.double() @ weight.double().t()
             row = {"shape": name, "n": n, "k": k, "tokens": m, "weight_bytes": nbytes}
-            for label, fn in (("cublas", lambda w: torch.mm(x, w.t())), ("skinny", lambda w: K.skinny_gemm(x, w))):
+            for label, fn in (("cublas", lambda w: torch.mm(x, w.t())), ("skinny", lambda w: K.skinny_gemm(x, w, config=above))):
                 row[f"{label}_rel_err"] = _relative_error(fn(weight), exact)
                 row[f"{label}_kernels"] = count_cuda_kernels(lambda: fn(weight)).count
                 us = common.graph_time_us(lambda i: fn(copies[i]), len(copies), calls_per_graph=len(copies), replays=20)
@@ -72,9 +72,9 @@ def main() -> None:
             if m == 1:
                 shapes = {}
                 for block_n, block_k, warps in LAUNCH_SHAPES:
-                    with common.module_knobs(K, _BLOCK_N=block_n, _BLOCK_K=block_k, _WARPS=warps):
-                        us = common.graph_time_us(lambda i: K.skinny_gemm(x, copies[i]), len(copies),
-                                                  calls_per_graph=len(copies), replays=20)  # fmt: skip
+                    shape = K.SkinnyConfig(block_n=block_n, block_k=block_k, warps=warps, max_tokens=above.max_tokens)
+                    us = common.graph_time_us(lambda i: K.skinny_gemm(x, copies[i], config=shape), len(copies),
+                                              calls_per_graph=len(copies), replays=20)  # fmt: skip
                     shapes[f"{block_n}x{block_k}/{warps}w"] = round(us, 2)
                 row["skinny_us_by_launch_shape"] = shapes
             print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)

@@ -58,3 +58,20 @@ def test_bf16_weights_under_an_fp32_x_are_one_kernel_with_no_fp32_copy():
     out = torch.ops.fusion_compiler.merged_linear(x, weights)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("vocab", [129_280, 200_064, 248_320, 262_144])
+def test_lm_head_at_real_vocabularies_launches_and_matches_float64(vocab):
+    """An lm_head at one row: the 1-D grid launches 64k-131k programs (the old 2-D grid failed with
+    'invalid argument' past 65,535 on y); every row right, the output poisoned first."""
+    from fusion_compiler.kernels import skinny_gemm as K
+
+    gen = torch.Generator(device="cuda").manual_seed(vocab)
+    x = torch.randn(1, 1024, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(vocab, 1024, device="cuda", generator=gen) * 1024**-0.5).bfloat16()
+    out = torch.full((1, vocab), float("nan"), device="cuda", dtype=torch.bfloat16)
+    K.skinny_gemm(x, w, out)
+    exact = x.double() @ w.double().t()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), exact, rtol=2e-2, atol=2e-2)

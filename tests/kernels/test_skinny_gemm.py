@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernel_fixtures import DEVICE, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
 
@@ -37,12 +39,12 @@ def _check(out, x, w):
     [(1, 64, 256, 64), (2, 37, 100, 32), (3, 16, 130, 64), (4, 5, 64, 64), (1, 1, 48, 1024)],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matches_float64(monkeypatch, m, n, k, block_k, dtype):
-    monkeypatch.setattr(K, "_BLOCK_K", block_k)  # several K steps at test sizes
-    monkeypatch.setattr(K, "MAX_TOKENS", 4)  # the kernel is right above the shipped threshold too (the bench times it there)
+def test_matches_float64(m, n, k, block_k, dtype):
+    # Several K steps at test sizes; above the shipped MAX_TOKENS too (the bench times it there).
+    config = K.SkinnyConfig(block_k=block_k, max_tokens=4)
     x, w = _inputs(m, n, k, dtype, seed=m * 1000 + n + k)
     buf, out = poisoned((m, n), dtype)
-    K.skinny_gemm(x, w, out)
+    K.skinny_gemm(x, w, out, config=config)
     assert_guards_untouched(buf)
     assert not torch.isnan(out).any()
     _check(out, x, w)
@@ -83,4 +85,44 @@ def test_supports_only_small_m_and_unit_stride():
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["merge_projections"] == K.KERNEL_VERSION == "skinny_gemm-2"
+    assert KERNEL_VERSIONS["merge_projections"] == K.KERNEL_VERSION == "skinny_gemm-3"
+
+
+# Real vocabularies (DeepSeek V3.2, MiniMax-M2.5, Qwen3.5) and 2**18: an lm_head at one row.
+REAL_VOCABULARIES = (129_280, 200_064, 248_320, 262_144)
+
+
+@pytest.mark.parametrize("vocab", REAL_VOCABULARIES)
+def test_lm_head_plan_fits_the_grid_at_real_vocabularies(vocab):
+    """The 2-D grid ``(tokens, cdiv(N, 2))`` put 100k-124k programs on y (CUDA's limit: 65,535):
+    real vocabularies crashed with 'invalid argument'. The plan is 1-D, every row covered once."""
+    plan = K.launch_plan(1, vocab, 6144)
+    assert len(plan.grid) == 1 and plan.grid[0] * plan.block_n >= vocab > (plan.grid[0] - 1) * plan.block_n
+    assert K.decline_reason(1, vocab, 6144, 6144, vocab) is None
+
+
+@given(
+    tokens=st.integers(1, 16),
+    n=st.integers(1, 1 << 20),
+    k=st.integers(1, 1 << 15),
+    block_n=st.sampled_from((1, 2, 4, 8)),
+)
+@settings(max_examples=200, deadline=None)
+def test_plan_covers_every_row_and_token_within_limits(tokens, n, k, block_n):
+    """Pure launch arithmetic, odd widths included: each program is one (row block, token), all
+    blocks x tokens covered, the grid within CUDA's x limit whenever the plan is accepted."""
+    config = K.SkinnyConfig(block_n=block_n, max_tokens=16)
+    plan = K.launch_plan(tokens, n, k, config)
+    blocks = -(-n // block_n)
+    assert plan.grid == (tokens * blocks,)
+    assert plan.block_k <= config.block_k and plan.block_k >= min(k, config.block_k)
+    reason = K.decline_reason(tokens, n, k, k, n, config)
+    assert (reason is None) == (plan.grid[0] <= K.GRID_X_MAX and (tokens - 1) * max(k, n) + max(k, n) <= K.INT32_MAX)
+
+
+def test_plan_declines_past_the_grid_and_int32_offsets():
+    config = K.SkinnyConfig(block_n=1, max_tokens=4)
+    assert "grid limit" in K.decline_reason(2, 2**30 + 1, 64, 64, 2**30 + 1, config)
+    assert "int32" in K.decline_reason(2, 64, 64, 2**31, 64, config)  # x rows 2**31 elements apart
+    assert "rows" in K.decline_reason(5, 64, 64, 64, 64, config)
+
