@@ -20,18 +20,25 @@ What is a batch input, and how rows are padded:
   read in place like the other inputs (address checked; one that moves is copied from then on):
   HF's cache is a batch input the step writes.
 * Every other input (parameters, caches, tables) is used in place: the graph records its address.
-  Parameters are trusted to stay put. Any other tensor input whose address changes between calls
-  (an activation of a graph compiled before the batch became dynamic, say) is from then on copied
-  into a static buffer of its own, and the bucket recaptures (logged). An input that moves *and*
-  is mutated by the step would then be mutated in the copy: pass caches and states in place.
+  Parameters are trusted to stay put. When another tensor input's address changes between calls,
+  the bucket recaptures (logged, counted). An input the step writes in place (a cache, a state, a
+  write counter: ``InputPlan.mutated``, read off Dynamo's graph) is then read at its new address,
+  so the write lands in the caller's tensor: HF's ``generate()`` makes a new ``StaticCache``
+  each call. Any other input that moved (an activation made afresh each step: HF's input ids,
+  positions and mask) is from then on copied into a static buffer of its own.
+* Recapturing reuses the graphs' memory pool. The graph being replaced is dropped only after its
+  successor is captured: a pool whose last graph is gone while the caller still holds that
+  graph's outputs cannot take another capture (torch's allocator asserts ``use_count > 0``).
 
 A bucket's first call runs the compiled graph uncaptured on its padded static buffers (the
 warm-up: Triton compiles, Inductor autotunes, our kernels size their counters); the second
 captures and replays. So each step runs exactly once. Batches above the largest bucket, calls
 while another capture is in progress (a caller capturing this step into its own graph), and
-graphs with no batch inputs whose shapes change, run uncaptured. Outputs are views of the
-bucket's static outputs: valid until the next call, as with ``torch.compile(mode=
-"reduce-overhead")``. All buckets share one memory pool.
+graphs with no batch inputs whose shapes change, run uncaptured; so does every call after a
+capture failed (logged as a warning, counted in :meth:`StepGraphs.report`; with ``strict`` the
+failure raises :class:`CaptureError`). Outputs are views of the bucket's static outputs: valid
+until the next call, as with ``torch.compile(mode="reduce-overhead")``. All buckets share one
+memory pool.
 
 Nothing in a captured step may sync the host; a graph break splits the step into several
 compiled graphs, each wrapped on its own (``StepGraphs.report`` and ``inspect`` show the count).
@@ -64,6 +71,7 @@ class InputPlan:
     batch_sizes: tuple[int, ...]  # SymInt inputs that are a batch symbol: set to the bucket
     movable: tuple[int, ...]  # other tensor inputs, not parameters: their address is checked
     batch_outputs: tuple[int, ...]  # outputs with a batch-symbol leading dim: sliced to B
+    mutated: tuple[int, ...] = ()  # tensor inputs the step writes in place (never copied)
 
     @property
     def pads(self) -> bool:
@@ -114,7 +122,56 @@ def plan_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence, slot_names: 
         if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
             if in_batch(canonical_size(value.shape[0])):
                 batch_outputs.append(j)
-    return InputPlan(tuple(batch), tuple(slots), tuple(sizes), tuple(movable), tuple(batch_outputs))
+    mutated = tuple(i for i, node in enumerate(placeholders) if _written_in_place(node))
+    return InputPlan(tuple(batch), tuple(slots), tuple(sizes), tuple(movable), tuple(batch_outputs), mutated)
+
+
+# Ops whose result may share the input's memory (Dynamo's graph is torch-level: methods,
+# functions and operator.getitem): a write through one of them writes the input.
+_ALIASING = frozenset({
+    "getitem", "__getitem__", "view", "view_as", "reshape", "reshape_as", "select", "narrow", "slice",
+    "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "t", "flatten", "unflatten",
+    "as_strided", "split", "chunk", "unbind", "contiguous", "to", "type_as", "detach", "diagonal",
+    "movedim", "swapaxes", "swapdims", "T", "mT", "data", "real", "imag", "view_as_real", "view_as_complex",
+})  # fmt: skip
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", "")
+
+
+def _writes(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether ``node`` writes ``value`` in place: a method or function named ``*_`` taking it
+    first (``index_copy_``, ``add_``, ``copy_``), a ``setitem`` into it, or an op whose schema
+    marks that argument written."""
+    if node.op not in ("call_method", "call_function") or not node.args:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        written = [a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments]
+        return any(w and i < len(node.args) and node.args[i] is value for i, w in enumerate(written))
+    name = _target_name(node)
+    first = node.args[0] is value
+    return first and (name == "setitem" or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"))
+
+
+def _written_in_place(placeholder: torch.fx.Node) -> bool:
+    """The step writes this input, directly or through a view of it."""
+    frontier, seen = [placeholder], {placeholder}
+    while frontier:
+        value = frontier.pop()
+        for user in value.users:
+            if _writes(user, value):
+                return True
+            if user not in seen and user.op in ("call_method", "call_function") and user.args and user.args[0] is value \
+                    and _target_name(user) in _ALIASING:  # fmt: skip
+                seen.add(user)
+                frontier.append(user)
+    return False
 
 
 _CU_GRAPH_NODE_TYPE_KERNEL = 0
@@ -158,11 +215,16 @@ def _count_kernels(driver, graph: ctypes.c_void_p) -> int | None:
     return kernels
 
 
+class CaptureError(RuntimeError):
+    """strict=True and a step could not be captured in a CUDA graph (it would run uncaptured)."""
+
+
 @dataclasses.dataclass
 class _Bucket:
     rows: int
     args: list  # the static inputs the graph reads
-    addresses: dict[int, int]  # movable input -> data_ptr at capture
+    addresses: dict[int, int]  # in-place input -> data_ptr the graph reads
+    copied: set[int] = dataclasses.field(default_factory=set)  # inputs args holds a static copy of
     dirty_rows: int = 0  # rows of the static batch buffers that may hold a real row
     graph: torch.cuda.CUDAGraph | None = None
     outputs: object = None
@@ -172,16 +234,21 @@ class _Bucket:
 class StepGraphs:
     """A compiled graph (flat inputs -> outputs) replayed from one CUDA graph per bucket."""
 
-    def __init__(self, compiled: Callable, plan: InputPlan, buckets: Sequence[int], name: str = "graph"):
+    def __init__(self, compiled: Callable, plan: InputPlan, buckets: Sequence[int], name: str = "graph",
+                 strict: bool = False):  # fmt: skip
         self.compiled = compiled
         self.plan = plan
         self.buckets = tuple(sorted(set(buckets)))
         self.name = name
+        self.strict = strict
         self.pool = None
         self._buckets: dict[tuple, _Bucket] = {}
-        self.copied: set[int] = set()  # non-batch inputs copied into static buffers (they moved)
+        self._retired: list[torch.cuda.CUDAGraph] = []  # replaced graphs, kept until a successor is captured
+        self.copied: set[int] = set()  # non-batch inputs known to move: copied into static buffers
         self.capture_error: str | None = None
+        self.warmup_calls = 0
         self.uncaptured_calls = 0
+        self.captures = 0
         self.recaptures = 0
         self.replays = 0
         self.last_rows: int | None = None  # the bucket of the last replay
@@ -221,18 +288,14 @@ class StepGraphs:
             return self.compiled(*args)
         key = self._key(args, rows)
         bucket = self._buckets.get(key)
-        moved = [] if bucket is None else [i for i, at in bucket.addresses.items() if args[i].data_ptr() != at]
-        if moved:
-            # A fresh tensor each step (an activation of a graph without dynamic batch, say):
-            # from now on it is copied into a static buffer like the batch inputs.
-            log.info("fusion_compiler: %s: inputs %s moved since the %d-row graph was made; copying them from now on",
-                     self.name, moved, rows)
-            self.copied.update(moved)
-            self.recaptures += 1
-        if bucket is None or moved:  # warm-up: run once on new static buffers, uncaptured
+        if bucket is None:  # warm-up: run once on new static buffers, uncaptured
             bucket = self._buckets[key] = self._new_bucket(args, rows)
             self._load(bucket, args, batch)
+            self.warmup_calls += 1
             return self._slice(self.compiled(*bucket.args), batch, rows)
+        moved = [i for i, at in bucket.addresses.items() if args[i].data_ptr() != at]
+        if moved:
+            self._follow(bucket, args, moved)
         self._load(bucket, args, batch)
         if bucket.graph is None and not self._capture(bucket):
             self.uncaptured_calls += 1
@@ -257,12 +320,34 @@ class StepGraphs:
                 a = args[i]
                 static[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
                 static[i].fill_(-1 if i in self.plan.slots else 0)
-        for i in self.copied:
+        copied = {i for i in self.copied if i in self._in_place()}
+        for i in copied:
             static[i] = torch.empty_like(args[i])
+        addresses = {i: args[i].data_ptr() for i in self._in_place() if i not in copied}
         for i in self.plan.batch_sizes:
             static[i] = rows
-        addresses = {i: args[i].data_ptr() for i in self._in_place() if i not in self.copied}
-        return _Bucket(rows, static, addresses)
+        return _Bucket(rows, static, addresses, copied)
+
+    def _follow(self, bucket: _Bucket, args: list, moved: list[int]) -> None:
+        """Inputs moved since the bucket's graph was made: one the step writes is read at its new
+        address (its writes must land in the caller's tensor); any other is copied from now on.
+        Either way the graph is captured again on this call."""
+        followed = [i for i in moved if i in self.plan.mutated]
+        copied = [i for i in moved if i not in self.plan.mutated]
+        for i in followed:
+            bucket.args[i] = args[i]
+            bucket.addresses[i] = args[i].data_ptr()
+        for i in copied:
+            bucket.args[i] = torch.empty_like(args[i])
+            bucket.copied.add(i)
+            del bucket.addresses[i]
+        self.copied.update(copied)
+        log.info("%s: %d-row step: inputs %s moved since its graph was made (written in place, followed: %s; "
+                 "copied from now on: %s); capturing again", self.name, bucket.rows, moved, followed, copied)  # fmt: skip
+        if bucket.graph is not None:
+            self._retired.append(bucket.graph)
+            self.recaptures += 1
+        bucket.graph, bucket.outputs, bucket.kernel_nodes = None, None, None
 
     def _load(self, bucket: _Bucket, args: list, batch: int) -> None:
         """Copy the real rows (and the copied inputs) in; re-pad rows a larger batch left behind."""
@@ -271,13 +356,14 @@ class StepGraphs:
             buffer[:batch].copy_(args[i])
             if bucket.dirty_rows > batch:
                 buffer[batch : bucket.dirty_rows].fill_(-1 if i in self.plan.slots else 0)
-        for i in self.copied:
+        for i in bucket.copied:
             bucket.args[i].copy_(args[i])
         bucket.dirty_rows = batch
 
     def _capture(self, bucket: _Bucket) -> bool:
         """Capture the bucket's step (nothing runs); False, logged and reported, if the step
-        cannot be captured (a host sync, a CPU op): this graph then runs uncaptured."""
+        cannot be captured (a host sync, a CPU op): this graph then runs uncaptured, or with
+        ``strict`` raises :class:`CaptureError`."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept: its nodes are counted
@@ -287,15 +373,19 @@ class StepGraphs:
                 outputs = self.compiled(*bucket.args)
         except RuntimeError as error:  # torch raises the CUDA capture errors as RuntimeError
             self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            log.warning("fusion_compiler: %s cannot be captured in a CUDA graph; it runs uncaptured: %s",
-                        self.name, self.capture_error)
             torch.cuda.synchronize()
+            if self.strict:
+                raise CaptureError(f"{self.name}: the {bucket.rows}-row step cannot be captured in a CUDA graph "
+                                   f"(strict mode): {self.capture_error}") from error  # fmt: skip
+            log.warning("%s cannot be captured in a CUDA graph; it runs uncaptured from now on: %s",
+                        self.name, self.capture_error)
             return False
         graph.instantiate()
         bucket.graph, bucket.outputs = graph, outputs
         bucket.kernel_nodes = kernel_nodes(graph)
-        log.info("fusion_compiler: %s: captured the %d-row step: %s kernel nodes", self.name, bucket.rows,
-                 bucket.kernel_nodes)
+        self.captures += 1
+        self._retired.clear()  # the new graph holds the pool now
+        log.info("%s: captured the %d-row step: %s kernel nodes", self.name, bucket.rows, bucket.kernel_nodes)
         return True
 
     def _slice(self, outputs, batch: int, rows: int):
@@ -308,18 +398,22 @@ class StepGraphs:
 
     # -- what happened ----------------------------------------------------------------------
     def report(self) -> dict:
-        """Graphs captured, per bucket the kernel nodes read from the captured graph, calls that
-        ran uncaptured, recaptures."""
+        """Graphs captured (now and in all), per bucket the kernel nodes read from the captured
+        graph, calls by how they ran (warm-up, replayed, uncaptured), recaptures and why a
+        capture failed."""
         captured = [b for b in self._buckets.values() if b.graph is not None]
         return {
             "name": self.name,
             "graphs": len(captured),
+            "captures": self.captures,
             "kernel_nodes_by_rows": {b.rows: b.kernel_nodes for b in sorted(captured, key=lambda b: b.rows)},
             "padded_with_slots": self.plan.pads,
+            "warmup_calls": self.warmup_calls,
+            "replays": self.replays,
             "uncaptured_calls": self.uncaptured_calls,
             "recaptures": self.recaptures,
-            "replays": self.replays,
             "last_rows": self.last_rows,
+            "written_inputs": list(self.plan.mutated),
             "copied_inputs": sorted(self.copied),
             "capture_error": self.capture_error,
         }

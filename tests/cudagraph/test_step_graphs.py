@@ -1,6 +1,7 @@
 """cudagraph.py's bookkeeping on CPU: which inputs are batch / slot / in-place inputs, the
 bucket a batch runs in, padding with slot -1 (and re-padding after a larger batch), outputs
-sliced back, moved inputs copied from then on, and the kernel-node count of a CUDA-graph dump.
+sliced back, moved inputs followed (written ones) or copied (the rest), failed captures counted,
+and the kernel-node count of a CUDA-graph dump.
 Capture itself needs CUDA: a stand-in graph replays the compiled callable on the bucket's
 static buffers (tests/gpu/test_cudagraph_gpu.py captures for real)."""
 
@@ -101,6 +102,7 @@ def _stand_in_capture(self, bucket):
     graph = _StandInGraph(self.compiled, bucket.args)
     graph.outputs = list(self.compiled(*bucket.args))
     bucket.graph, bucket.outputs, bucket.kernel_nodes = graph, graph.outputs, 3
+    self.captures += 1
     return True
 
 
@@ -154,19 +156,111 @@ def test_buckets_pad_with_slot_minus_one_and_slice_outputs(traced, monkeypatch):
     assert report["replays"] == 4 and report["last_rows"] == 4
 
 
-def test_an_input_that_moves_is_copied_from_then_on(traced, monkeypatch):
+def test_a_written_input_that_moves_is_followed_and_recaptured(traced, monkeypatch):
+    """HF's generate() makes a new cache each call. The graph must then write the *new* cache:
+    a copy of it would take the write and the caller's cache would never see the token."""
     gm, inputs = traced
     plan = cudagraph.plan_inputs(gm, inputs, DEFAULT_SLOT_INPUTS)
-    monkeypatch.setattr(cudagraph.StepGraphs, "_capture", _stand_in_capture)
-    graphs = cudagraph.StepGraphs(gm.forward, plan, (4,))
     names = _names(gm)
     cache_i = names.index(next(n for n in names if n.startswith("l_cache")))
+    assert plan.mutated == (cache_i,)
+    monkeypatch.setattr(cudagraph.StepGraphs, "_capture", _stand_in_capture)
+    graphs = cudagraph.StepGraphs(gm.forward, plan, (4,))
     args = list(inputs)
-    graphs(*args)
-    graphs(*args)
-    args[cache_i] = inputs[cache_i].clone()  # a new cache tensor: the graph's address is stale
-    graphs(*args)
-    assert graphs.report()["recaptures"] == 1 and graphs.report()["copied_inputs"] == [cache_i]
+    graphs(*args)  # warm-up
+    graphs(*args)  # captured
+    fresh = torch.zeros_like(inputs[cache_i])
+    args[cache_i] = fresh
+    out = graphs(*args)
+    report = graphs.report()
+    assert report["recaptures"] == 1 and report["copied_inputs"] == [] and report["captures"] == 2
+    slots = args[plan.slots[0]]
+    torch.testing.assert_close(fresh[slots], out[0])  # the write landed in the caller's new cache
+
+
+def test_a_read_only_input_that_moves_is_copied_from_then_on(monkeypatch):
+    """HF's input ids, positions and mask are new tensors every step: copied into static buffers,
+    replayed with no further capture."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"], seen["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(HFStyleStep(), backend=backend)(torch.randn(2, 4), torch.tensor([0]), torch.zeros(2, 6, 4))
+    gm, inputs = seen["gm"], seen["inputs"]
+    plan = cudagraph.plan_inputs(gm, inputs, DEFAULT_SLOT_INPUTS)
+    cache_i = next(i for i, a in enumerate(inputs) if a.dim() == 3)
+    hidden_i = next(i for i, a in enumerate(inputs) if a.dim() == 2)
+    position_i = next(i for i, a in enumerate(inputs) if a.dtype == torch.int64)
+    assert plan.mutated == (cache_i,)
+    monkeypatch.setattr(cudagraph.StepGraphs, "_capture", _stand_in_capture)
+    graphs = cudagraph.StepGraphs(gm.forward, plan, (4,))
+    cache = torch.zeros(2, 6, 4)
+    for step in range(5):
+        hidden, args = torch.randn(2, 4), [None] * 3
+        args[cache_i], args[hidden_i], args[position_i] = cache, hidden, torch.tensor([step])
+        graphs(*args)  # Dynamo's placeholder order
+        torch.testing.assert_close(cache[:, step], hidden)
+    report = graphs.report()
+    assert sorted(report["copied_inputs"]) == sorted([hidden_i, position_i])
+    # Moved before the first capture: copied from the capture on, so one capture serves every step.
+    assert report["captures"] == 1 and report["recaptures"] == 0 and report["uncaptured_calls"] == 0
+    assert report["warmup_calls"] == 1 and report["replays"] == 4
+
+
+class WritesThroughViews(torch.nn.Module):
+    def forward(self, x, state, counter, table):
+        state[:, 1:] = x[:, None]  # setitem into the input
+        counter.add_(1)
+        view = table.view(-1)
+        return (view * 2).sum() + state.sum() + counter
+
+
+def test_inputs_written_in_place_are_read_off_the_graph():
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(WritesThroughViews(), backend=backend)(torch.randn(2), torch.zeros(2, 3), torch.zeros(()), torch.ones(2, 2))
+    gm = seen["gm"]
+    plan = cudagraph.plan_inputs(gm, [None] * 4, DEFAULT_SLOT_INPUTS)
+    names = _names(gm)
+    assert sorted(names[i] for i in plan.mutated) == sorted(n for n in names if n.startswith(("l_state", "l_counter")))
+
+
+def test_a_failed_capture_is_counted_and_strict_raises(traced, monkeypatch):
+    gm, inputs = traced
+    plan = cudagraph.plan_inputs(gm, inputs, DEFAULT_SLOT_INPUTS)
+
+    class FailingGraph:
+        def __init__(self, pool=None, **_):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda **_: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: FailingGraph())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    graphs = cudagraph.StepGraphs(gm.forward, plan, (4,))
+    for _ in range(3):
+        graphs(*inputs)
+    report = graphs.report()
+    assert report["uncaptured_calls"] == 2 and report["warmup_calls"] == 1 and report["captures"] == 0
+    assert "operation not permitted" in report["capture_error"]
+    strict = cudagraph.StepGraphs(gm.forward, plan, (4,), strict=True)
+    strict(*inputs)
+    with pytest.raises(cudagraph.CaptureError, match="cannot be captured"):
+        strict(*inputs)
 
 
 def test_batches_above_the_largest_bucket_run_uncaptured(traced, monkeypatch):
