@@ -1,0 +1,303 @@
+"""HF ``generate()`` at real widths, the user's path: eager, stock ``torch.compile(mode=
+"reduce-overhead")`` and fusion_compiler through each compile route, side by side in one process.
+
+What a user runs: an HF ``*ForCausalLM`` (random weights, real widths and vocabulary, HF's default
+experts implementation), ``cache_implementation="static"``, greedy ``generate()``. Modes:
+
+* ``eager``: ``generate(disable_compile=True)``;
+* ``stock``: ``compile_config=CompileConfig(backend="inductor")`` (HF's defaults: mode
+  "reduce-overhead"; what HF does by itself with a static cache on CUDA);
+* ``ours``: ``compile_config=CompileConfig(backend="fusion_compiler")`` (the default route);
+* ``ours_forward``: ``model.forward = torch.compile(model.forward, backend="fusion_compiler")``,
+  ``generate(disable_compile=True)`` (else HF's own compile of ``__call__`` would wrap it, and
+  the outer backend wins in Dynamo);
+* ``ours_fc_compile``: ``fusion_compiler.compile(model)``, then ``generate()``.
+
+Per (mode, batch):
+
+* **logits**: ``generate()`` teacher-forced on eager's greedy ids (a logits processor forces each
+  step's token; ``output_logits`` returns the raw logits), relative error against eager's per
+  step: with random weights greedy ids split at near-ties, so every mode reads the same ids;
+* **decode tokens/s**: ``batch x (N - 1) / (t(N new tokens) - t(1 new token))``, medians of
+  timed ``generate()`` calls (each makes a new static cache, as HF does);
+* **captured steps, from the hardware**: one ``generate()`` under the torch profiler. Each
+  compiled-forward call is a ``Torch-Compiled Region`` on the CPU timeline; a call is captured
+  when its region launched one or more CUDA graphs and no loose kernel (a ``cu*LaunchKernel`` /
+  ``cudaLaunchKernel*`` runtime call); memcpys (the copy-in of a step's inputs) are counted apart.
+  Our own report's CUDA-graph counts are written beside it, not used for the verdict.
+
+    python bench/generate.py --model minimax-m2.5 --out bench/results/generate_h200_minimax-m2.5.json
+    python bench/generate.py --model qwen3.5 --smoke        # tiny widths on CPU: the logic only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import fusion_compiler as fc  # noqa: E402
+from fusion_compiler.model_adapters import get_adapter  # noqa: E402
+
+LAYERS = {"deepseek-v3.2": 2, "minimax-m2.5": 2, "qwen3.5": 4}  # Qwen3.5: 3 GDN + 1 full attention
+ROUTES_AT_BATCH_1 = ("ours_forward", "ours_fc_compile")
+PROMPT = 16
+_KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+_MEMCPYS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cuMemcpyAsync")
+_REGION = "Torch-Compiled Region"
+
+
+class ForceIds:
+    """A logits processor that makes every step pick the given ids (eager's), so each mode's
+    logits are computed on the same sequence. Returns a new tensor: HF keeps the raw logits."""
+
+    def __init__(self, ids: torch.Tensor, prompt: int):
+        self.ids, self.prompt = ids, prompt
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        forced = self.ids[:, input_ids.shape[1]]
+        return torch.full_like(scores, float("-inf")).scatter_(1, forced[:, None], 0.0)
+
+
+def step_relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
+    """‖logits_t − reference_t‖ / ‖reference_t‖ per step, in float64 (inf on a shape mismatch or NaN)."""
+    errors = []
+    for got, ref in zip(logits, reference, strict=True):
+        if got.shape != ref.shape or not torch.isfinite(got).all():
+            errors.append(float("inf"))
+            continue
+        errors.append(((got.double() - ref.double()).norm() / ref.double().norm()).item())
+    return errors
+
+
+def decode_tokens_per_second(batch: int, new_tokens: int, seconds_all: float, seconds_first: float) -> float:
+    """Tokens/s of the decode steps alone: a generate of ``new_tokens`` less one of 1 token
+    (prefill + first token), ``new_tokens - 1`` steps of ``batch`` tokens."""
+    return batch * (new_tokens - 1) / (seconds_all - seconds_first)
+
+
+def region_launches(events) -> list[dict]:
+    """Per ``Torch-Compiled Region`` of a profile (torch.profiler FunctionEvents): the CUDA-graph
+    launches, loose kernel launches and memcpys among its CPU descendants, by runtime call."""
+    regions = []
+    for event in events:
+        if not event.name.startswith(_REGION):
+            continue
+        counts = {"graph_launches": 0, "kernel_launches": 0, "memcpys": 0}
+        stack = list(event.cpu_children)
+        while stack:
+            child = stack.pop()
+            stack.extend(child.cpu_children)
+            if child.name in _GRAPH_LAUNCHES:
+                counts["graph_launches"] += 1
+            elif child.name in _KERNEL_LAUNCHES:
+                counts["kernel_launches"] += 1
+            elif child.name in _MEMCPYS:
+                counts["memcpys"] += 1
+        regions.append(counts)
+    return regions
+
+
+def capture_verdict(regions: list[dict]) -> dict:
+    nested = {"captured_calls": 0, "uncaptured_calls": 0, "loose_kernels": 0, "memcpys": 0, "calls": len(regions)}
+    for r in regions:
+        captured = r["graph_launches"] > 0 and r["kernel_launches"] == 0
+        nested["captured_calls" if captured else "uncaptured_calls"] += 1
+        nested["loose_kernels"] += r["kernel_launches"]
+        nested["memcpys"] += r["memcpys"]
+    return nested
+
+
+def provenance() -> dict:
+    """The commit and dirty flag: from FUSION_COMMIT / FUSION_DIRTY (the device gets a copy of
+    the tree without .git), else from git."""
+    commit, dirty = os.environ.get("FUSION_COMMIT"), os.environ.get("FUSION_DIRTY")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+            dirty = str(bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                            capture_output=True, text=True).stdout.strip()))  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"commit": commit, "dirty": dirty in ("1", "True", "true")}
+
+
+class Runner:
+    """One model, its modes. ``generate(mode, batch, ...)`` installs the mode's compile route."""
+
+    def __init__(self, model, device: str, new_tokens: int, cpu_compile: bool):
+        self.model, self.device, self.new_tokens, self.cpu_compile = model, device, new_tokens, cpu_compile
+        self.original_forward = model.forward
+        self.mode = None
+        self.fused = None  # the compiled object of ours_fc_compile
+        self.prompts: dict[int, torch.Tensor] = {}
+
+    def prompt(self, batch: int) -> torch.Tensor:
+        if batch not in self.prompts:
+            vocab = self.model.config.get_text_config(decoder=True).vocab_size
+            gen = torch.Generator().manual_seed(batch)
+            self.prompts[batch] = torch.randint(0, vocab, (batch, PROMPT), generator=gen).to(self.device)
+        return self.prompts[batch]
+
+    def use(self, mode: str) -> None:
+        """Install ``mode``'s route; a route change starts from a clean Dynamo cache."""
+        if mode == self.mode:
+            return
+        torch._dynamo.reset()
+        self.model.forward = self.original_forward
+        for attr in ("_compiled_call", "_last_compile_config"):
+            self.model.__dict__.pop(attr, None)
+        self.model.generation_config.compile_config = None
+        self.fused = None
+        if mode == "ours_forward":
+            self.model.forward = torch.compile(self.original_forward, backend="fusion_compiler")
+        elif mode == "ours_fc_compile":
+            self.fused = fc.compile(self.model)
+        self.mode = mode
+
+    def kwargs(self, mode: str, tokens: int) -> dict:
+        from transformers import CompileConfig
+
+        kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, cache_implementation="static",
+                  pad_token_id=0)  # fmt: skip
+        if mode in ("eager", "ours_forward"):
+            kw["disable_compile"] = True
+        elif mode in ("stock", "ours"):
+            config = CompileConfig(backend="inductor" if mode == "stock" else "fusion_compiler")
+            if self.cpu_compile:
+                config._compile_all_devices = True
+            kw["compile_config"] = config
+        elif self.cpu_compile and mode == "ours_fc_compile":
+            config = self.fused.generation_config.compile_config if hasattr(self.fused, "generation_config") else None
+            if config is not None:
+                config._compile_all_devices = True
+        return kw
+
+    def generate(self, mode: str, batch: int, tokens: int | None = None, **extra):
+        self.use(mode)
+        tokens = tokens or self.new_tokens
+        ids = self.prompt(batch)
+        target = self.fused if mode == "ours_fc_compile" else self.model
+        with torch.no_grad():
+            return target.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs(mode, tokens), **extra)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, mode: str, batch: int, tokens: int, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            self.generate(mode, batch, tokens)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def our_graph_stats() -> list[dict]:
+    backend = getattr(fc, "last_backend", lambda: None)()
+    return [g.report() for g in getattr(backend, "step_graphs", [])]
+
+
+def run_case(runner: Runner, mode: str, batch: int, reference: dict, repeats: int) -> dict:
+    row: dict = {"mode": mode, "batch": batch}
+    started = time.perf_counter()
+    try:
+        out = runner.generate(mode, batch, output_logits=True, return_dict_in_generate=True,
+                              logits_processor=[ForceIds(reference["ids"], PROMPT)])  # fmt: skip
+        row["first_generate_s"] = time.perf_counter() - started  # compile included
+        errors = step_relative_errors([t.float() for t in out.logits], reference["logits"])
+        row["logits_rel_err_max"], row["logits_rel_err_by_step"] = max(errors), errors
+        runner.generate(mode, batch)  # warm-up: every capture of the route done
+        runner.generate(mode, batch, 1)
+        seconds_all = runner.timed(mode, batch, runner.new_tokens, repeats)
+        seconds_first = runner.timed(mode, batch, 1, repeats)
+        row["generate_s"], row["first_token_s"] = seconds_all, seconds_first
+        row["decode_tokens_per_s"] = decode_tokens_per_second(batch, runner.new_tokens, seconds_all, seconds_first)
+        if runner.device == "cuda" and mode != "eager":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+                runner.generate(mode, batch)
+                runner.sync()
+            row["profiled_calls"] = capture_verdict(region_launches(prof.events()))
+        if mode.startswith("ours"):
+            row["our_step_graphs"] = our_graph_stats()
+            report = fc.last_report()
+            row["fused"] = report.per_variant() if report is not None else None
+            row["missing_expected"] = report.missing_expected() if report is not None else None
+    except Exception as error:  # noqa: BLE001 - a crash is a result of this bench, recorded and reported
+        row["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
+    row["wall_s"] = time.perf_counter() - started
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(LAYERS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["eager", "stock", "ours", *ROUTES_AT_BATCH_1])
+    parser.add_argument("--smoke", action="store_true", help="tiny widths on CPU (HF compiles there when asked)")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    adapter = get_adapter(args.model)
+    model = adapter.build_hf(size="tiny" if args.smoke else "real", layers=LAYERS[args.model], device=device)
+    runner = Runner(model, device, args.new_tokens, cpu_compile=args.smoke)
+    result = {
+        "bench": "generate", "model": args.model, "layers": LAYERS[args.model], "size": "tiny" if args.smoke else "real",
+        "vocab": model.config.get_text_config(decoder=True).vocab_size, "new_tokens": args.new_tokens,
+        "prompt": PROMPT, "experts_implementation": adapter.experts_implementation, **provenance(),
+    }  # fmt: skip
+    import transformers
+
+    result.update(torch=torch.__version__, transformers=transformers.__version__, device=device)
+    if device == "cuda":
+        result.update(common.device_facts())
+        result["copy_gbs"] = common.copy_bandwidth_gbs()
+    references = {}
+    for batch in args.batches:  # eager first: every mode is compared with it
+        out = runner.generate("eager", batch, output_logits=True, return_dict_in_generate=True)
+        references[batch] = {"ids": out.sequences, "logits": [t.float() for t in out.logits]}
+    rows = []
+    for mode in args.modes:
+        for batch in args.batches:
+            if mode in ROUTES_AT_BATCH_1 and batch != 1:
+                continue
+            row = run_case(runner, mode, batch, references[batch], args.repeats)
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                   if k not in ("logits_rel_err_by_step", "our_step_graphs")}, flush=True)  # fmt: skip
+            if args.out:
+                common.write_json(args.out, {**result, "rows": rows})
+    result["rows"] = rows
+    stock = {r["batch"]: r.get("decode_tokens_per_s") for r in rows if r["mode"] == "stock"}
+    for row in rows:
+        if row.get("decode_tokens_per_s") and stock.get(row["batch"]):
+            row["vs_stock"] = row["decode_tokens_per_s"] / stock[row["batch"]]
+    print(f"{'mode':16} {'batch':>5} {'tok/s':>9} {'vs stock':>8} {'max rel err':>11} {'captured':>9} {'uncapt.':>7}")
+    for row in rows:
+        calls = row.get("profiled_calls", {})
+        print(f"{row['mode']:16} {row['batch']:>5} {row.get('decode_tokens_per_s', float('nan')):9.1f} "
+              f"{row.get('vs_stock', float('nan')):8.3f} {row.get('logits_rel_err_max', float('nan')):11.2e} "
+              f"{calls.get('captured_calls', '-'):>9} {calls.get('uncaptured_calls', '-'):>7}"
+              + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))  # fmt: skip
+    if args.out:
+        common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""bench/generate.py's pure parts on CPU: the teacher-forcing processor, the per-step error, the
+decode rate, and the capture verdict read off a profile's event tree (the GPU tier and the H200
+runs read real profiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import generate as bench  # noqa: E402
+
+
+def test_force_ids_picks_the_given_token_and_leaves_the_raw_logits_alone():
+    ids = torch.tensor([[5, 6, 7, 1], [5, 6, 2, 3]])
+    scores = torch.randn(2, 9)
+    raw = scores.clone()
+    forced = bench.ForceIds(ids, prompt=2)(ids[:, :2], scores)
+    assert forced.argmax(-1).tolist() == [7, 2]
+    assert torch.equal(scores, raw)
+
+
+def test_step_errors_flag_shape_and_nan():
+    ref = [torch.ones(2, 4), torch.ones(2, 4)]
+    errors = bench.step_relative_errors([torch.ones(2, 4), torch.full((2, 4), 1.01)], ref)
+    assert errors[0] == 0.0 and abs(errors[1] - 0.01) < 1e-6
+    assert bench.step_relative_errors([torch.ones(2, 3), torch.full((2, 4), float("nan"))], ref) == [math.inf, math.inf]
+
+
+def test_decode_rate_leaves_out_the_prefill():
+    assert bench.decode_tokens_per_second(8, 32, 1.31, 0.07) == 8 * 31 / 1.24
+
+
+@dataclasses.dataclass
+class Event:
+    name: str
+    cpu_children: list = dataclasses.field(default_factory=list)
+
+
+def test_capture_verdict_from_the_profile_tree():
+    def region(*names):
+        return Event("Torch-Compiled Region: 0/1", [Event("CompiledFunction", [Event(n) for n in names])])
+
+    events = [
+        region("cudaMemcpyAsync", "cudaGraphLaunch"),  # replayed, its inputs copied in
+        region("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync"),  # ran uncaptured
+        region("cudaGraphLaunch", "cuLaunchKernelEx"),  # a graph and a loose kernel: not captured
+        Event("aten::argmax", [Event("cudaLaunchKernel")]),  # generate's own loop: no region
+    ]
+    assert bench.capture_verdict(bench.region_launches(events)) == {
+        "captured_calls": 1, "uncaptured_calls": 2, "loose_kernels": 3, "memcpys": 2, "calls": 3}  # fmt: skip
