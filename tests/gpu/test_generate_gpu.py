@@ -1,7 +1,7 @@
-"""GPU tier: HF ``generate()`` through ``CompileConfig(backend="fusion_compiler")`` on the tiny
-models, with bench/generate.py's checks: every decode call after warm-up replays a CUDA graph with
-no loose kernel (read off the profiler, not our report), and teacher-forced logits stay within
-2e-2 of eager's at every step. Each ``generate()`` makes a new static cache, so the later calls
+"""GPU tier: HF ``generate()`` through ``CompileConfig(backend="fusion_compiler")`` and a compiled
+``model.forward`` on the tiny models, with bench/generate.py's checks: every compiled call after
+warm-up replays a CUDA graph with no loose kernel (read off the profiler, not our report), and
+teacher-forced logits stay within 2e-2 of eager's at every step. Each ``generate()`` makes a new static cache, so the later calls
 also check that a step whose cache moved writes the caller's cache and is captured again (the
 graph pool's ``use_count`` assertion, and caches copied into static buffers, broke exactly this).
 """
@@ -23,9 +23,14 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 NEW_TOKENS = 8
 
 
+# HF compiles its call for the decode steps only; a compiled model.forward runs the prefill too.
+COMPILED_CALLS = {"ours": NEW_TOKENS - 1, "ours_forward": NEW_TOKENS}
+
+
 @requires_cuda
+@pytest.mark.parametrize("route", sorted(COMPILED_CALLS))
 @pytest.mark.parametrize("name", ["minimax-m2.5", "qwen3.5", "deepseek-v3.2"])
-def test_generate_through_compile_config_replays_graphs_and_matches_eager(name):
+def test_generate_replays_graphs_and_matches_eager(name, route):
     from fusion_compiler.model_adapters import get_adapter
 
     model = get_adapter(name).build_hf(size="tiny", layers=bench.LAYERS[name], device="cuda")
@@ -33,14 +38,14 @@ def test_generate_through_compile_config_replays_graphs_and_matches_eager(name):
     eager = runner.generate("eager", 2, output_logits=True, return_dict_in_generate=True)
     reference = [t.float() for t in eager.logits]
     for attempt in range(3):  # compile + warm-up, then two generates with new caches
-        out = runner.generate("ours", 2, output_logits=True, return_dict_in_generate=True,
+        out = runner.generate(route, 2, output_logits=True, return_dict_in_generate=True,
                               logits_processor=[bench.ForceIds(eager.sequences, bench.PROMPT)])  # fmt: skip
         errors = bench.step_relative_errors([t.float() for t in out.logits], reference)
         assert max(errors) < 2e-2, (attempt, errors)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-        runner.generate("ours", 2)
+        runner.generate(route, 2)
         torch.cuda.synchronize()
     calls = bench.capture_verdict(bench.region_launches(prof.events()))
-    assert calls["calls"] == NEW_TOKENS - 1, calls  # HF's compiled call runs the decode steps only
+    assert calls["calls"] == COMPILED_CALLS[route], calls
     assert calls["uncaptured_calls"] == 0 and calls["loose_kernels"] == 0, calls
