@@ -21,9 +21,11 @@ Per (mode, batch):
 * **decode tokens/s**: ``batch x (N - 1) / (t(N new tokens) - t(1 new token))``, medians of
   timed ``generate()`` calls (each makes a new static cache, as HF does);
 * **captured steps, from the hardware**: one ``generate()`` under the torch profiler. Each
-  compiled-forward call is a ``Torch-Compiled Region`` on the CPU timeline; a call is captured
-  when its region launched one or more CUDA graphs and no loose kernel (a ``cu*LaunchKernel`` /
-  ``cudaLaunchKernel*`` runtime call); memcpys (the copy-in of a step's inputs) are counted apart.
+  compiled-forward call is a ``Torch-Compiled Region`` on the CPU timeline; a decode call is
+  captured when its region launched one or more CUDA graphs and no kernel (a ``cu*LaunchKernel``
+  / ``cudaLaunchKernel*`` runtime call: loose, or recorded by a capture on that call); memcpys
+  (the copy-in of a step's inputs) are counted apart. The prefill, where a route compiles it, is
+  reported apart.
   Our own report's CUDA-graph counts are written beside it, not used for the verdict.
 
     python bench/generate.py --model minimax-m2.5 --out bench/results/generate_h200_minimax-m2.5.json
@@ -86,12 +88,12 @@ def decode_tokens_per_second(batch: int, new_tokens: int, seconds_all: float, se
 
 
 def region_launches(events) -> list[dict]:
-    """Per ``Torch-Compiled Region`` of a profile (torch.profiler FunctionEvents): the CUDA-graph
-    launches, loose kernel launches and memcpys among its CPU descendants, by runtime call."""
+    """Per ``Torch-Compiled Region`` of a profile (torch.profiler FunctionEvents), in time order:
+    the CUDA-graph launches, kernel launches and memcpys among its CPU descendants, by runtime
+    call. A capture records its kernels through the same runtime calls, so a call that captured
+    a graph shows both."""
     regions = []
-    for event in events:
-        if not event.name.startswith(_REGION):
-            continue
+    for event in sorted((e for e in events if e.name.startswith(_REGION)), key=lambda e: e.time_range.start):
         counts = {"graph_launches": 0, "kernel_launches": 0, "memcpys": 0}
         stack = list(event.cpu_children)
         while stack:
@@ -108,13 +110,25 @@ def region_launches(events) -> list[dict]:
 
 
 def capture_verdict(regions: list[dict]) -> dict:
-    nested = {"captured_calls": 0, "uncaptured_calls": 0, "loose_kernels": 0, "memcpys": 0, "calls": len(regions)}
+    """Calls that only replayed graphs (captured), that captured and then replayed (recorded),
+    and that launched kernels with no graph (uncaptured); loose kernel launches and memcpys."""
+    verdict = {"calls": len(regions), "captured_calls": 0, "recorded_calls": 0, "uncaptured_calls": 0,
+               "loose_kernels": 0, "memcpys": 0}  # fmt: skip
     for r in regions:
-        captured = r["graph_launches"] > 0 and r["kernel_launches"] == 0
-        nested["captured_calls" if captured else "uncaptured_calls"] += 1
-        nested["loose_kernels"] += r["kernel_launches"]
-        nested["memcpys"] += r["memcpys"]
-    return nested
+        if r["graph_launches"] == 0:
+            verdict["uncaptured_calls"] += 1
+        else:
+            verdict["recorded_calls" if r["kernel_launches"] else "captured_calls"] += 1
+        verdict["loose_kernels"] += r["kernel_launches"]
+        verdict["memcpys"] += r["memcpys"]
+    return verdict
+
+
+def split_calls(regions: list[dict], new_tokens: int) -> dict:
+    """The decode calls are the last ``new_tokens - 1`` compiled calls of a generate(); a route
+    that compiles the forward itself also runs the prefill through it, first."""
+    decode = regions[len(regions) - (new_tokens - 1):] if len(regions) >= new_tokens - 1 else regions
+    return {"decode": capture_verdict(decode), "prefill": capture_verdict(regions[: len(regions) - len(decode)])}
 
 
 def provenance() -> dict:
@@ -230,7 +244,7 @@ def run_case(runner: Runner, mode: str, batch: int, reference: dict, repeats: in
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
                 runner.generate(mode, batch)
                 runner.sync()
-            row["profiled_calls"] = capture_verdict(region_launches(prof.events()))
+            row["profiled_calls"] = split_calls(region_launches(prof.events()), runner.new_tokens)
         if mode.startswith("ours"):
             row["our_step_graphs"] = our_graph_stats()
             report = fc.last_report()
@@ -289,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["vs_stock"] = row["decode_tokens_per_s"] / stock[row["batch"]]
     print(f"{'mode':16} {'batch':>5} {'tok/s':>9} {'vs stock':>8} {'max rel err':>11} {'captured':>9} {'uncapt.':>7}")
     for row in rows:
-        calls = row.get("profiled_calls", {})
+        calls = row.get("profiled_calls", {}).get("decode", {})
         print(f"{row['mode']:16} {row['batch']:>5} {row.get('decode_tokens_per_s', float('nan')):9.1f} "
               f"{row.get('vs_stock', float('nan')):8.3f} {row.get('logits_rel_err_max', float('nan')):11.2e} "
               f"{calls.get('captured_calls', '-'):>9} {calls.get('uncaptured_calls', '-'):>7}"

@@ -222,7 +222,7 @@ class CaptureError(RuntimeError):
 @dataclasses.dataclass
 class _Bucket:
     rows: int
-    args: list  # the static inputs the graph reads
+    args: list  # the static inputs the graph reads (None for an in-place input: the call's own)
     addresses: dict[int, int]  # in-place input -> data_ptr the graph reads
     copied: set[int] = dataclasses.field(default_factory=set)  # inputs args holds a static copy of
     dirty_rows: int = 0  # rows of the static batch buffers that may hold a real row
@@ -290,16 +290,15 @@ class StepGraphs:
         bucket = self._buckets.get(key)
         if bucket is None:  # warm-up: run once on new static buffers, uncaptured
             bucket = self._buckets[key] = self._new_bucket(args, rows)
-            self._load(bucket, args, batch)
             self.warmup_calls += 1
-            return self._slice(self.compiled(*bucket.args), batch, rows)
+            return self._slice(self.compiled(*self._load(bucket, args, batch)), batch, rows)
         moved = [i for i, at in bucket.addresses.items() if args[i].data_ptr() != at]
         if moved:
             self._follow(bucket, args, moved)
-        self._load(bucket, args, batch)
-        if bucket.graph is None and not self._capture(bucket):
+        inputs = self._load(bucket, args, batch)
+        if bucket.graph is None and not self._capture(bucket, inputs):
             self.uncaptured_calls += 1
-            return self._slice(self.compiled(*bucket.args), batch, rows)
+            return self._slice(self.compiled(*inputs), batch, rows)
         bucket.graph.replay()
         self.replays += 1
         self.last_rows = rows
@@ -324,6 +323,11 @@ class StepGraphs:
         for i in copied:
             static[i] = torch.empty_like(args[i])
         addresses = {i: args[i].data_ptr() for i in self._in_place() if i not in copied}
+        for i in addresses:
+            # Read from each call's own arguments, never held here: a cache the caller drops is
+            # freed, and the next one (HF's generate() makes one a call) usually gets its address,
+            # so the graph replays with no recapture.
+            static[i] = None
         for i in self.plan.batch_sizes:
             static[i] = rows
         return _Bucket(rows, static, addresses, copied)
@@ -335,7 +339,6 @@ class StepGraphs:
         followed = [i for i in moved if i in self.plan.mutated]
         copied = [i for i in moved if i not in self.plan.mutated]
         for i in followed:
-            bucket.args[i] = args[i]
             bucket.addresses[i] = args[i].data_ptr()
         for i in copied:
             bucket.args[i] = torch.empty_like(args[i])
@@ -349,8 +352,9 @@ class StepGraphs:
             self.recaptures += 1
         bucket.graph, bucket.outputs, bucket.kernel_nodes = None, None, None
 
-    def _load(self, bucket: _Bucket, args: list, batch: int) -> None:
-        """Copy the real rows (and the copied inputs) in; re-pad rows a larger batch left behind."""
+    def _load(self, bucket: _Bucket, args: list, batch: int) -> list:
+        """Copy the real rows (and the copied inputs) in; re-pad rows a larger batch left behind.
+        Returns the graph's inputs: the static buffers, and the in-place inputs of this call."""
         for i in self.plan.batch if self.plan.pads else ():
             buffer = bucket.args[i]
             buffer[:batch].copy_(args[i])
@@ -359,8 +363,9 @@ class StepGraphs:
         for i in bucket.copied:
             bucket.args[i].copy_(args[i])
         bucket.dirty_rows = batch
+        return [args[i] if i in bucket.addresses else a for i, a in enumerate(bucket.args)]
 
-    def _capture(self, bucket: _Bucket) -> bool:
+    def _capture(self, bucket: _Bucket, inputs: list) -> bool:
         """Capture the bucket's step (nothing runs); False, logged and reported, if the step
         cannot be captured (a host sync, a CPU op): this graph then runs uncaptured, or with
         ``strict`` raises :class:`CaptureError`."""
@@ -370,7 +375,7 @@ class StepGraphs:
         torch.cuda.synchronize()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.compiled(*bucket.args)
+                outputs = self.compiled(*inputs)
         except RuntimeError as error:  # torch raises the CUDA capture errors as RuntimeError
             self.capture_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             torch.cuda.synchronize()

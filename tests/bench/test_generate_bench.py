@@ -36,20 +36,32 @@ def test_decode_rate_leaves_out_the_prefill():
 
 
 @dataclasses.dataclass
+class Range:
+    start: int
+
+
+@dataclasses.dataclass
 class Event:
     name: str
     cpu_children: list = dataclasses.field(default_factory=list)
+    time_range: Range = dataclasses.field(default_factory=lambda: Range(0))
 
 
 def test_capture_verdict_from_the_profile_tree():
-    def region(*names):
-        return Event("Torch-Compiled Region: 0/1", [Event("CompiledFunction", [Event(n) for n in names])])
+    def region(at, *names):
+        return Event("Torch-Compiled Region: 0/1", [Event("CompiledFunction", [Event(n) for n in names])], Range(at))
 
     events = [
-        region("cudaMemcpyAsync", "cudaGraphLaunch"),  # replayed, its inputs copied in
-        region("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync"),  # ran uncaptured
-        region("cudaGraphLaunch", "cuLaunchKernelEx"),  # a graph and a loose kernel: not captured
+        region(3, "cudaMemcpyAsync", "cudaGraphLaunch"),  # replayed, its inputs copied in
+        region(0, "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync"),  # the prefill, uncaptured
+        region(2, "cudaGraphLaunch", "cuLaunchKernelEx"),  # captured on this call, then replayed
+        region(1, "cudaLaunchKernel"),  # uncaptured
         Event("aten::argmax", [Event("cudaLaunchKernel")]),  # generate's own loop: no region
     ]
-    assert bench.capture_verdict(bench.region_launches(events)) == {
-        "captured_calls": 1, "uncaptured_calls": 2, "loose_kernels": 3, "memcpys": 2, "calls": 3}  # fmt: skip
+    regions = bench.region_launches(events)
+    assert bench.capture_verdict(regions) == {
+        "calls": 4, "captured_calls": 1, "recorded_calls": 1, "uncaptured_calls": 2, "loose_kernels": 4, "memcpys": 2}  # fmt: skip
+    calls = bench.split_calls(regions, new_tokens=4)
+    assert calls["prefill"]["calls"] == 1 and calls["prefill"]["uncaptured_calls"] == 1
+    assert calls["decode"] == {
+        "calls": 3, "captured_calls": 1, "recorded_calls": 1, "uncaptured_calls": 1, "loose_kernels": 2, "memcpys": 1}  # fmt: skip

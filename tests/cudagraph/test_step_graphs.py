@@ -98,9 +98,9 @@ class _StandInGraph:
         self.outputs[:] = list(self.fn(*self.args))
 
 
-def _stand_in_capture(self, bucket):
-    graph = _StandInGraph(self.compiled, bucket.args)
-    graph.outputs = list(self.compiled(*bucket.args))
+def _stand_in_capture(self, bucket, inputs):
+    graph = _StandInGraph(self.compiled, inputs)
+    graph.outputs = list(self.compiled(*inputs))
     bucket.graph, bucket.outputs, bucket.kernel_nodes = graph, graph.outputs, 3
     self.captures += 1
     return True
@@ -176,6 +176,26 @@ def test_a_written_input_that_moves_is_followed_and_recaptured(traced, monkeypat
     assert report["recaptures"] == 1 and report["copied_inputs"] == [] and report["captures"] == 2
     slots = args[plan.slots[0]]
     torch.testing.assert_close(fresh[slots], out[0])  # the write landed in the caller's new cache
+
+
+def test_buckets_hold_no_reference_to_in_place_inputs(traced, monkeypatch):
+    """A cache the caller drops must be freed, so that the next one (HF's generate() makes a new
+    one each call) can take its address and the graph replays without a recapture."""
+    import gc
+    import weakref
+
+    gm, inputs = traced
+    plan = cudagraph.plan_inputs(gm, inputs, DEFAULT_SLOT_INPUTS)
+    names = _names(gm)
+    cache_i = names.index(next(n for n in names if n.startswith("l_cache")))
+    graphs = cudagraph.StepGraphs(gm.forward, plan, (4,))
+    args = list(inputs)
+    args[cache_i] = torch.zeros_like(inputs[cache_i])
+    graphs(*args)  # warm-up: the bucket is made (no capture on CPU needed)
+    dropped = weakref.ref(args[cache_i])
+    args[cache_i] = None
+    gc.collect()
+    assert dropped() is None
 
 
 def test_a_read_only_input_that_moves_is_copied_from_then_on(monkeypatch):

@@ -2,8 +2,10 @@
 ``model.forward`` on the tiny models, with bench/generate.py's checks: every compiled call after
 warm-up replays a CUDA graph with no loose kernel (read off the profiler, not our report), and
 teacher-forced logits stay within 2e-2 of eager's at every step. Each ``generate()`` makes a new static cache, so the later calls
-also check that a step whose cache moved writes the caller's cache and is captured again (the
+also check that the step writes the caller's new cache and replays without a recapture (the
 graph pool's ``use_count`` assertion, and caches copied into static buffers, broke exactly this).
+A compiled ``model.forward`` also runs the prefill, whose graph HF's code makes uncapturable (a
+CPU tensor copied in): it is counted apart.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def test_generate_replays_graphs_and_matches_eager(name, route):
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
         runner.generate(route, 2)
         torch.cuda.synchronize()
-    calls = bench.capture_verdict(bench.region_launches(prof.events()))
-    assert calls["calls"] == COMPILED_CALLS[route], calls
-    assert calls["uncaptured_calls"] == 0 and calls["loose_kernels"] == 0, calls
+    calls = bench.split_calls(bench.region_launches(prof.events()), NEW_TOKENS)
+    assert calls["prefill"]["calls"] == COMPILED_CALLS[route] - (NEW_TOKENS - 1), calls
+    decode = calls["decode"]
+    assert decode["captured_calls"] == NEW_TOKENS - 1 and decode["loose_kernels"] == 0, calls
