@@ -171,6 +171,7 @@ class Runner:
         for attr in ("_compiled_call", "_last_compile_config"):
             self.model.__dict__.pop(attr, None)
         self.model.generation_config.compile_config = None
+        self.model._compiled_call_impl = None  # fc.compile compiles the model in place
         self.fused = None
         if mode == "ours_forward":
             self.model.forward = torch.compile(self.original_forward, backend="fusion_compiler")
@@ -190,10 +191,6 @@ class Runner:
             if self.cpu_compile:
                 config._compile_all_devices = True
             kw["compile_config"] = config
-        elif self.cpu_compile and mode == "ours_fc_compile":
-            config = self.fused.generation_config.compile_config if hasattr(self.fused, "generation_config") else None
-            if config is not None:
-                config._compile_all_devices = True
         return kw
 
     def generate(self, mode: str, batch: int, tokens: int | None = None, **extra):
