@@ -1,14 +1,19 @@
 """`fusion-compiler`: the command line.
 
     fusion-compiler inspect [MODEL | --hf-config FILE.json] [--size tiny|real] [--layers N]
-                            [--device cpu|cuda] [--batch B] [--json OUT] [--plot OUT.png] [--explain]
+                            [--device cpu|cuda] [--batch B] [--context N] [--json OUT] [--plot OUT.png]
+                            [--explain] [-v]
+
+The table goes to stdout; stderr gets one line per step as it runs (inspect/terminal.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import os
 import sys
 
 MODELS = ("deepseek-v3.2", "minimax-m2.5", "qwen3.5")
@@ -33,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="OUT.png", help="write a bar chart of kernels per layer")
     p.add_argument("--explain", action="store_true",
                    help="for every miss, the FX nodes from the site's anchor to where the pattern diverged")
-    p.add_argument("-v", "--verbose", action="store_true", help="log each mode as it runs")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also the compiler's log for every compile and the warnings of Dynamo, Inductor and transformers")
+    p.set_defaults(subparser=p)  # a usage error prints this command's usage, as argparse's own do
     return parser
 
 
@@ -50,7 +57,32 @@ def _adapter(args):
     return get_adapter(args.model)
 
 
+def _writable(flag: str, path: str) -> None:
+    """Checked before the run, which takes minutes: a path that cannot be written fails now."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
+def _check_arguments(args) -> None:
+    """Every check that needs no model, before anything is built."""
+    for flag, value in (("--layers", args.layers), ("--batch", args.batch), ("--context", args.context)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.json:
+        _writable("--json", args.json)
+    if args.plot:
+        _writable("--plot", args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib (pip install 'fusion-compiler[bench]')")
+
+
 def _inspect(args) -> int:
+    _check_arguments(args)
     adapter = _adapter(args)
     if args.device == "cuda":
         import torch
@@ -59,20 +91,20 @@ def _inspect(args) -> int:
             raise UsageError("--device cuda: no CUDA device is available")
     size = args.size or ("real" if args.device == "cuda" else "tiny")
     layers = args.layers if args.layers is not None else adapter.default_layers
-    if layers < 1:
-        raise UsageError(f"--layers must be >= 1, got {layers}")
-    if args.batch < 1:
-        raise UsageError(f"--batch must be >= 1, got {args.batch}")
     from .inspect.run import format_table, inspect_model, plot
+    from .inspect.terminal import Terminal
 
-    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else (lambda msg: None)
-    result = inspect_model(adapter, size, layers, args.device, batch=args.batch, context=args.context, progress=progress)
-    print(format_table(result, explain=args.explain))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.plot:
-        plot([result], args.plot)
+    terminal = Terminal(verbose=args.verbose)
+    with terminal.capture():
+        result = inspect_model(
+            adapter, size, layers, args.device, batch=args.batch, context=args.context, progress=terminal.progress
+        )
+        print(format_table(result, explain=args.explain))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        if args.plot:
+            plot([result], args.plot)
     return 0
 
 
@@ -83,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _inspect(args)
     except UsageError as e:
-        parser.print_usage(sys.stderr)
-        print(f"fusion-compiler: error: {e}", file=sys.stderr)
+        args.subparser.print_usage(sys.stderr)
+        print(f"{args.subparser.prog}: error: {e}", file=sys.stderr)
         return 2
 
 

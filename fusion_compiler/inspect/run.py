@@ -9,8 +9,8 @@ fusion_compiler compile of the inspected stack, attributed to layers via `nn_mod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import logging
 import platform
 import time
 from collections import Counter
@@ -25,8 +25,6 @@ from ..model_adapters import ModelAdapter, make_decode_step
 from ..patterns.registry import trace_seconds_total
 from ..verify import relative_error
 from . import counting
-
-log = logging.getLogger("fusion_compiler.inspect")
 
 MODES = ("eager", "inductor", "fusion_compiler")
 FAMILY = "add_rms_norm"  # the first column; the adapter may expect sites of more families
@@ -133,28 +131,44 @@ def inspect_model(
     device: str,
     batch: int = 1,
     context: int = 16,
-    progress: Callable[[str], None] = lambda msg: None,
+    progress: Callable[[str], contextlib.AbstractContextManager[list[str]]] = lambda label: contextlib.nullcontext([]),
 ) -> dict:
+    """``progress(label)`` wraps each step (a mode on a stack, the compile timing, the CUDA
+    graph check); the step appends short notes (its kernel count) to the list it yields."""
     dtype = torch.bfloat16
     kinds = adapter.layer_kinds(adapter.hf_config(size, layers))
     pairs = stack_pairs(kinds)
     stacks = list(dict.fromkeys([tuple(kinds)] + [s for pair in pairs.values() for s in pair]))
+    steps = len(stacks) * len(MODES) + 1 + (device == "cuda")
+    done = 0
+
+    def step_label(what: str) -> str:
+        nonlocal done
+        done += 1
+        return f"{adapter.name} [{done}/{steps}] {what}"
+
     per_stack: dict[tuple[str, ...], dict[str, ModeResult]] = {}
     expected_full: dict[str, dict[str, int]] = {}
     for stack in stacks:
-        model = build_stack(adapter, size, stack, device, dtype)
-        expected = adapter.expected_sites(model, batch=batch, context=context)
         per_stack[stack] = {}
         for mode in MODES:
-            started = time.perf_counter()
-            step = make_decode_step(model, batch=batch, context=context, seed=0)
-            per_stack[stack][mode] = run_mode(model, step, mode, device, expected)
-            progress(f"{adapter.name}: {len(stack)} layers, {mode}: {per_stack[stack][mode].kernels.count} kernels ({time.perf_counter() - started:.0f} s)")
+            first = mode == MODES[0]
+            with progress(step_label(f"{_layers(len(stack))}, {'build, ' if first else ''}{mode}")) as notes:
+                if first:  # at real widths on CUDA, building takes a while of its own
+                    model = build_stack(adapter, size, stack, device, dtype)
+                    expected = adapter.expected_sites(model, batch=batch, context=context)
+                step = make_decode_step(model, batch=batch, context=context, seed=0)
+                per_stack[stack][mode] = run_mode(model, step, mode, device, expected)
+                notes.append(f"{per_stack[stack][mode].kernels.count} kernels")
         if stack == tuple(kinds):
             expected_full = expected
             # The runs above were each mode's first compile of this stack; time a second.
-            compile_times = compile_seconds(model, batch, context, expected)
-            cuda_graphs = step_graph_check(model, batch, context, expected) if device == "cuda" else None
+            with progress(step_label(f"{_layers(len(stack))}, compile timing")):
+                compile_times = compile_seconds(model, batch, context, expected)
+            cuda_graphs = None
+            if device == "cuda":
+                with progress(step_label(f"{_layers(len(stack))}, CUDA graphs of the whole step")):
+                    cuda_graphs = step_graph_check(model, batch, context, expected)
         del model
 
     full = per_stack[tuple(kinds)]
@@ -220,6 +234,10 @@ def inspect_model(
         "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in report.merges()],
         "merged_projections": report.merged_projections(),
     }
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
 
 
 def _miss_dict(site) -> dict:

@@ -1,12 +1,17 @@
-"""`fusion-compiler inspect` v1 on CPU: the JSON contract, a dense model outside our three,
-and bad arguments."""
+"""`fusion-compiler inspect` v1 on CPU: the JSON contract, what stderr holds, a dense model
+outside our three, and bad arguments."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
+import re
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -20,20 +25,37 @@ MODES = ("eager", "inductor", "fusion_compiler")
 def minimax(tmp_path_factory):
     out = tmp_path_factory.mktemp("inspect") / "r.json"
     png = out.with_suffix(".png")
+    stderr = io.StringIO()  # what a user's terminal would show: the CLI writes to sys.stderr
     started = time.perf_counter()
-    assert main(["inspect", "minimax-m2.5", "--json", str(out), "--plot", str(png)]) == 0
+    with contextlib.redirect_stderr(stderr):
+        assert main(["inspect", "minimax-m2.5", "--json", str(out), "--plot", str(png)]) == 0
     seconds = time.perf_counter() - started
-    return json.loads(out.read_text()), seconds, png
+    return json.loads(out.read_text()), seconds, png, stderr.getvalue()
 
 
 def test_inspect_minimax_runs_under_three_minutes(minimax):
-    _, seconds, png = minimax
+    _, seconds, png, _ = minimax
     assert seconds < 180
     assert png.stat().st_size > 10_000
 
 
+PROGRESS = re.compile(r"minimax-m2\.5 \[(\d)/7\] [12] layers?, [a-z_ ,]+ \.\.\. \d+\.\d s(, \d+ kernels)?")
+HIDDEN = re.compile(r"\d+ library warnings? hidden; -v shows them")
+
+
+def test_default_stderr_is_one_progress_line_per_step(minimax):
+    """Dynamo's `lru_cache` warnings on transformers' MoE code (one per trace) and the
+    compiler's per-compile log are not the user's: without -v, stderr holds the 7 steps
+    (2 stacks x 3 modes, the compile timing), each with its time, and at most a count of the
+    hidden warnings."""
+    lines = minimax[3].splitlines()
+    steps = [int(m.group(1)) for line in lines if (m := PROGRESS.fullmatch(line))]
+    assert steps == list(range(1, 8)), lines
+    assert all(PROGRESS.fullmatch(line) or HIDDEN.fullmatch(line) for line in lines), lines
+
+
 def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
-    result, _, _ = minimax
+    result, _, _, _ = minimax
     assert result["device"] == "cpu" and result["layers"] == 2
     assert [row["layer"] for row in result["per_layer"]] == [0, 1]
     for row in result["per_layer"]:
@@ -89,19 +111,31 @@ BAD_ARGUMENTS = [
     (["inspect", "minimax-m2.5", "--batch", "0"], "--batch must be >= 1"),
     (["inspect", "llama-7b"], "invalid choice"),
     (["inspect", "minimax-m2.5", "--size", "huge"], "invalid choice"),
+    (["inspect", "minimax-m2.5", "--context", "-1"], "--context must be >= 1"),
+    (["inspect", "minimax-m2.5", "--context", "0"], "--context must be >= 1"),
+    (["inspect", "minimax-m2.5", "--json", "/no/such/dir/r.json"], "directory /no/such/dir does not exist"),
+    (["inspect", "minimax-m2.5", "--plot", "/no/such/dir/r.png"], "directory /no/such/dir does not exist"),
+    (["inspect", "minimax-m2.5", "--json", "."], "--json .: is a directory"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS)
-def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
+def test_bad_arguments_exit_2_before_the_run(argv, message, capsys, monkeypatch):
     # In this process: a fresh interpreter costs ~5 s (torch's import) per case; the one below
     # checks that `python -m fusion_compiler.cli` turns main's status into the exit status.
+    import fusion_compiler.inspect.run
+
+    def run(*args, **kwargs):
+        raise AssertionError("a bad argument must fail before the run, which takes minutes")
+
+    monkeypatch.setattr(fusion_compiler.inspect.run, "inspect_model", run)
     try:
         status = main(argv)
     except SystemExit as e:  # argparse's own errors exit 2 from parse_args
         status = e.code
     assert status == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_the_module_entry_point_exits_with_mains_status():
@@ -155,14 +189,21 @@ def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
     group mask into another graph (model_adapters/deepseek_v32), so routing does not match; every
     other site fuses as in our own adapter's runs.
     ``--explain`` prints each miss's FX nodes from the node where matching diverged to the
-    site's anchor, and the JSON carries the same chain."""
+    site's anchor, and the JSON carries the same chain. Each miss is printed once, in the
+    table: inspect compiles every stack several times, and each compile logs its misses."""
     from fusion_compiler.model_adapters.deepseek_v32 import TINY_CONFIG
 
     config = {**TINY_CONFIG, "model_type": "deepseek_v32", "num_hidden_layers": 2, "topk_group": 1}
     path, out = tmp_path / "broken.json", tmp_path / "r.json"
     path.write_text(json.dumps(config))
     assert main(["inspect", "--hf-config", str(path), "--explain", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    misses = [m for row in json.loads(out.read_text())["per_layer"] for m in row["misses"]]
+    assert misses
+    for miss in misses:
+        # Each miss said once: in the table, never in the compiler's per-compile log on stderr.
+        line = f"miss {miss['family']} at {miss['module']} ({miss['node']})"
+        assert printed.count(line) == 1 and miss["module"] not in err, err
     for row in json.loads(out.read_text())["per_layer"]:
         assert row["matches"]["moe_routing"] == {"found": 0, "expected": 1}, row
         # A known model_type keeps its adapter's site rules: kv_a_layernorm is the MLA prologue's.
@@ -171,8 +212,44 @@ def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
         (miss,) = [m for m in row["misses"] if m["family"] == "moe_routing"]
         diverged = [line for line in miss["chain"] if line.endswith("<- diverged here")]
         assert len(diverged) == 1 and diverged[0].startswith(f"{miss['node']} = "), miss
-        assert f"node={miss['node']}" in miss["reason"] and len(miss["chain"]) > 1
+        assert miss["node"] in miss["reason"] and len(miss["chain"]) > 1
         assert diverged[0] in printed and f"miss moe_routing at {miss['module']} ({miss['node']})" in printed
+
+
+def _emit_what_a_compile_emits():
+    logging.getLogger("fusion_compiler").warning("fusion_compiler: expected 1 moe_routing at model.layers.0.mlp, fused 0")
+    logging.getLogger("fusion_compiler").info("graph 0: 3 sites fused")
+    logging.getLogger("torch._dynamo.variables.functions").warning("a Dynamo log warning")
+    logging.getLogger("transformers.modeling_utils").warning("a transformers log warning")
+    for _ in range(2):  # Dynamo warns again after each reset
+        warnings.warn("Dynamo detected a call to a `functools.lru_cache`-wrapped function", UserWarning)
+    logging.getLogger("torch._inductor").error("an Inductor error")
+
+
+def test_library_warnings_are_counted_by_default_and_shown_once_under_verbose():
+    from fusion_compiler.inspect.terminal import Terminal
+
+    loggers = [logging.getLogger(name) for name in ("", "fusion_compiler", "torch._dynamo", "transformers")]
+    before = [(logger.handlers[:], logger.propagate, logger.level) for logger in loggers]
+    quiet, verbose = io.StringIO(), io.StringIO()
+    for stream, is_verbose in ((quiet, False), (verbose, True)):
+        terminal = Terminal(is_verbose, stream)
+        with terminal.capture():
+            with terminal.progress("model [1/1] 2 layers, inductor") as notes:
+                _emit_what_a_compile_emits()
+                notes.append("45 kernels")
+    lines = quiet.getvalue().splitlines()
+    assert lines[:2] == ["model [1/1] 2 layers, inductor ...", "torch._inductor: an Inductor error"]  # errors: always
+    assert re.fullmatch(r"model \[1/1\] 2 layers, inductor: \d+\.\d s, 45 kernels", lines[2])
+    assert lines[3:] == ["3 library warnings hidden; -v shows them"]
+    shown = verbose.getvalue()
+    assert shown.count("lru_cache") == 1
+    # The message names its package already: the log line does not name it twice.
+    assert "fusion_compiler: expected 1 moe_routing" in shown and "fusion_compiler: fusion_compiler" not in shown
+    for line in ("fusion_compiler: graph 0: 3 sites fused", "torch._dynamo.variables.functions: a Dynamo log warning",
+                 "transformers.modeling_utils: a transformers log warning"):
+        assert line in shown.splitlines()
+    assert [(logger.handlers, logger.propagate, logger.level) for logger in loggers] == before
 
 
 class _Breaking(torch.nn.Module):
