@@ -1,12 +1,14 @@
 """fusion_compiler: Inductor fusion passes for the decode step of frontier MoE models.
 
 Public API: `compile()`, `FusionConfig`, `FusionBackend`, `fusion_backend` (the
-registered torch.compile backend), `last_report()`, and the report types.
+registered torch.compile backend), `last_backend()`, `last_report()`, the report types and
+the errors.
 """
 
-from .backend import FusionBackend, compile, fusion_backend, last_report
+from .backend import FusionBackend, FusionOptionsError, compile, fusion_backend, last_backend, last_report
 from .config import FAMILY_ORDER, FusionConfig
-from .passes import FusionPass, GraphReport, MatchReport, MissedSiteError, Site
+from .cudagraph import CaptureError
+from .passes import FusionPass, GraphReport, MatchReport, MissedSiteError, Site, UnknownModuleError
 from .verify import VerificationError
 
 import sys as _sys
@@ -17,16 +19,20 @@ if "vllm" in _sys.modules:
     from .integrations.vllm import vllm_pass  # noqa: F401
 
 __all__ = [
+    "CaptureError",
     "FAMILY_ORDER",
     "FusionBackend",
     "FusionConfig",
+    "FusionOptionsError",
     "FusionPass",
     "GraphReport",
     "MatchReport",
     "MissedSiteError",
     "Site",
+    "UnknownModuleError",
     "VerificationError",
     "compile",
     "fusion_backend",
+    "last_backend",
     "last_report",
 ]

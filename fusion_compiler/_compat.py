@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+import typing
 
 import torch
 
@@ -52,6 +54,12 @@ __all__ = [
     "fwd_only",
     "inductor_patches",
     "inductor_config",
+    "inductor_mode_options",
+    "inductor_option_problem",
+    "ReachesCaller",
+    "reraise_ours",
+    "compiling_frame_locals",
+    "calling_torch_compile",
     "is_match",
     "patterns_rooted_at",
     "register_replacement",
@@ -61,12 +69,13 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def inductor_patches(post_grad_pass: CustomGraphPass, use_caches: bool):
+def inductor_patches(post_grad_pass: CustomGraphPass, use_caches: bool, extra: dict | None = None):
     """Install our post-grad pass; unless `use_caches`, turn off the FX-graph and
-    AOTAutograd caches (a cache hit would skip the pass)."""
+    AOTAutograd caches (a cache hit would skip the pass). `extra`: the caller's own Inductor
+    settings (torch.compile's mode and options), applied first."""
     from torch._functorch import config as functorch_config
 
-    patches: dict = {"post_grad_custom_post_pass": post_grad_pass}
+    patches: dict = {**(extra or {}), "post_grad_custom_post_pass": post_grad_pass}
     functorch_patches: dict = {}
     if not use_caches:
         patches["fx_graph_cache"] = False
@@ -226,3 +235,93 @@ def graph_break_reasons() -> dict[str, int]:
         text = f"{lines[0]}: {explanation.removeprefix('Explanation:').strip()}" if explanation else lines[0]
         reasons[text[:300]] = reasons.get(text[:300], 0) + count
     return reasons
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile's mode and options, as stock Inductor reads them (torch/__init__.py
+# _TorchCompileInductorWrapper), and the torch.compile call a backend is called through
+# --------------------------------------------------------------------------------------------------
+
+
+def inductor_mode_options(mode: str) -> dict:
+    """Inductor's settings for a torch.compile mode; RuntimeError, as stock raises it, for an
+    unknown mode."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_option_problem(key: str, value: object) -> str | None:
+    """None if ``key`` is an Inductor config key that takes ``value``, else why not (stock's
+    words, ``_TorchCompileInductorWrapper.apply_options``). Keys are spelt with "-" or "_"."""
+    name = key.replace("-", "_")
+    current = inductor_config.get_config_copy()
+    if name not in current:
+        return f"{key} is not an Inductor config key"
+    expected = inductor_config.get_type(name)
+    if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+        return f"Inductor option {key} takes {type(current[name]).__name__}, got {type(value).__name__}"
+    return None
+
+
+def calling_torch_compile(depth: int = 8) -> object | None:
+    """The ``torch.compile(...)`` call whose wrapper (torch's ``_TorchCompileWrapper``: one per
+    call, holding its mode and options) is calling the backend that calls this, or None (a
+    backend called some other way). Torch calls the backend once per graph through it, so it
+    is where graphs of one compile can find each other."""
+    wrapper_type = getattr(torch, "_TorchCompileWrapper", None)
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None or wrapper_type is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, wrapper_type):
+            return owner
+    return None
+
+
+def compiling_frame_locals() -> dict:
+    """The locals of the Python frame Dynamo is compiling (from inside a backend): there,
+    ``L['self']`` of ``nn_module_stack`` is ``locals['self']``. Empty outside a Dynamo compile
+    or where this torch keeps them elsewhere."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return dict(tx.output.root_tx.f_locals) if tx is not None else {}
+    except Exception:  # noqa: BLE001 - only a check reads this; it then has less to go on
+        return {}
+
+
+from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback  # noqa: E402
+
+
+class ReachesCaller(_ShortenTraceback):
+    """Base of our errors raised while a graph compiles (MissedSiteError, bad options), so that
+    they reach the caller as themselves.
+
+    Dynamo wraps what a backend raises in ``BackendCompilerFailed`` and Inductor wraps what a
+    post-grad pass raises in ``InductorError``, except a ``ShortenTraceback``, which both
+    re-raise as it is (torch/_dynamo/output_graph.py ``_call_user_compiler``,
+    torch/_inductor/compile_fx.py around ``fx_codegen_and_compile``; so in torch 2.11-2.14)."""
+
+    def __init__(self, *args):
+        super().__init__(*args, first_useful_frame=None)
+
+
+@contextlib.contextmanager
+def reraise_ours():
+    """Around ``compile_fx``: one of our errors raised inside it (a post-grad pass's
+    MissedSiteError) leaves as itself. Inductor wraps it in ``InductorError`` when it compiles
+    with the FX-graph cache off (compile_fx.py ``_compile_fx_inner``'s cache-bypass branch
+    wraps every exception), keeping it as ``inner_exception``."""
+    try:
+        yield
+    except Exception as error:
+        inner = error
+        while not isinstance(inner, ReachesCaller) and isinstance(getattr(inner, "inner_exception", None), Exception):
+            inner = inner.inner_exception
+        if inner is not error and isinstance(inner, ReachesCaller):
+            raise inner.with_traceback(inner.__traceback__) from None
+        raise

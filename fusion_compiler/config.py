@@ -49,12 +49,15 @@ class FusionConfig:
 
     families: family name -> lowering ("triton" | "inductor" | "off"; "gdn" also "fla").
         Families left out take `default_lowering`.
-    strict: raise `MissedSiteError` when an expected site (see `expected`) did not fuse.
+    strict: raise `MissedSiteError` when an expected site (see `expected`) did not fuse. With no
+        `expected`, `fusion_compiler.compile` of an HF model expects its model adapter's sites,
+        and any other route every candidate site of each graph.
     verify: on the first call of each compiled graph, run the graph eagerly on cloned
         inputs and raise `VerificationError`, naming the fused sites, if outputs or
         mutated inputs differ beyond `verify_rtol` (relative norm error).
     expected: family -> {module path: sites per forward}, as a model adapter derives it
-        from the model's module tree. Gives the report its expected-vs-found columns.
+        from the model's module tree. Gives the report its expected-vs-found columns. A path
+        that names no module of the compiled model is an error (`UnknownModuleError`).
     inductor_cache: let Inductor's FX-graph cache serve compiled graphs. Off by default:
         a cache hit skips our pass, so that compile would have no match report.
     horizontal_merge: fold a layer's independent prologue sites (passes/horizontal.py) into

@@ -84,6 +84,10 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
             # rules for which norms a bigger site takes (DeepSeek's kv_a_layernorm goes into
             # the MLA prologue, the q/k norms into the GQA prologue) hold as they are.
             return dataclasses.replace(known, name=model_type, real_config=cfg, tiny_config=cfg, default_layers=layers)
+    return _generic_adapter(model_type, cfg, layers)
+
+
+def _generic_adapter(model_type: str, cfg: dict, layers: int) -> ModelAdapter:
     return ModelAdapter(
         name=model_type,
         model_type=model_type,
@@ -98,12 +102,25 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
     )
 
 
+def adapter_for(model) -> ModelAdapter:
+    """The adapter of a built HF model: the one of ``ADAPTERS`` for its ``config.model_type``,
+    else a generic one (expected sites from its module tree: ``base.structural_sites``)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+    for known in ADAPTERS.values():
+        if known.model_type == model_type:
+            return known
+    layers = int(getattr(config.get_text_config(decoder=True), "num_hidden_layers", 1) or 1)
+    return _generic_adapter(model_type, {}, layers)
+
+
 __all__ = [
     "ADAPTERS",
     "DEFAULT_ATTN_IMPLEMENTATION",
     "DEFAULT_EXPERTS_IMPLEMENTATION",
     "DecodeStep",
     "ModelAdapter",
+    "adapter_for",
     "adapter_from_hf_config",
     "get_adapter",
     "is_rms_norm",

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import inspect
 import logging
+from pathlib import Path
 
 import torch
 
 from .. import _compat
-from ..config import GRAPH_PASSES, FusionConfig
+from ..config import FAMILY_ORDER, GRAPH_PASSES, FusionConfig
 from ..patterns import FAMILIES
-from ..patterns.registry import Family, failed_match_reason, run_family, source_text
-from ..patterns import registry as registry_module
+from ..patterns.registry import Family, failed_match_reason, run_family
 from . import canonicalize as canonicalize_module
 from . import decode_attention as decode_attention_module
 from . import dsa_topk_mask as dsa_topk_mask_module
-from . import horizontal as horizontal_module
-from . import merge_projections as merge_projections_module
-from . import rope_gather as rope_gather_module
-from . import tp_variance as tp_variance_module
 from ..module_paths import module_path
 from .explain import chain
 from .horizontal import merge_prologues
@@ -39,15 +35,20 @@ GRAPH_PASS_RUNS = {
 assert tuple(GRAPH_PASS_RUNS) == GRAPH_PASSES, "one run per config.GRAPH_PASSES entry, in its order"
 
 
-class MissedSiteError(RuntimeError):
-    """strict=True and an expected site did not fuse."""
+class MissedSiteError(_compat.ReachesCaller):
+    """strict=True and an expected site did not fuse (with no expected sites given, any
+    candidate site). A RuntimeError; raised through torch.compile as itself."""
+
+
+class UnknownModuleError(_compat.ReachesCaller, ValueError):
+    """An `expected` module path names no module of the compiled model."""
 
 
 class FusionPass(_compat.CustomGraphPass):
     """Canonicalise, then run each enabled family (order: `config.FAMILY_ORDER`), then clean up.
 
-    Every call appends a `GraphReport` to `self.report`. `uuid()` covers pattern
-    sources, kernel versions and the config, so Inductor's caches stay correct.
+    Every call appends a `GraphReport` to `self.report`. `uuid()` covers every source file of
+    the package, the kernel versions and the config, so Inductor's caches stay correct.
     """
 
     def __init__(self, config: FusionConfig | None = None, report: MatchReport | None = None):
@@ -55,10 +56,11 @@ class FusionPass(_compat.CustomGraphPass):
         self.report = report if report is not None else MatchReport()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        # A family or graph pass turned off has no sites, so none can be expected of it.
+        off = {*self.config.disabled_graph_passes(), *(set(FAMILY_ORDER) - set(self.config.enabled_families()))}
         graph_report = GraphReport(
             graph_index=len(self.report.graphs),
-            expected={family: dict(sites) for family, sites in self.config.expected.items()
-                      if family not in self.config.disabled_graph_passes()},
+            expected={family: dict(sites) for family, sites in self.config.expected.items() if family not in off},
             modules_in_graph=modules_in(graph),
             pipeline=self.pipeline(),
         )
@@ -93,9 +95,10 @@ class FusionPass(_compat.CustomGraphPass):
         graph.lint()
         self.report.graphs.append(graph_report)
         self._log(graph_report)
-        missing = graph_report.missing_expected()
-        if missing and self.config.strict:
-            raise MissedSiteError(_format_missing(graph_report, missing))
+        if self.config.strict:
+            failure = strict_failure(graph_report, every_candidate=not self.config.expected)
+            if failure:
+                raise MissedSiteError(failure)
 
     def families_for(self, name: str) -> tuple[Family, ...]:
         """The Family objects run under one name (an integration adds its host's spellings)."""
@@ -134,7 +137,7 @@ class FusionPass(_compat.CustomGraphPass):
     def _log(self, graph_report: GraphReport) -> None:
         one = MatchReport([graph_report])
         where = f" ({graph_report.pipeline})" if graph_report.pipeline else ""
-        log.info("fusion_compiler graph %d%s: %s", graph_report.graph_index, where, one.summary())
+        log.info("graph %d%s: %s", graph_report.graph_index, where, one.summary())
         for layer, kind, members in graph_report.merged:
             log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
         if graph_report.merged_projections:
@@ -149,39 +152,55 @@ class FusionPass(_compat.CustomGraphPass):
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():
-            log.warning("fusion_compiler: expected %d %s at %s, fused %d", expected, family, module, found)
+            log.warning("expected %d %s at %s, fused %d", expected, family, module, found)
 
     def uuid(self) -> str:
         return pass_uuid(self.config)
 
 
-def pass_uuid(config: FusionConfig) -> str:
-    digest = hashlib.sha256()
-    digest.update(config.cache_key().encode())
-    # What decides the rewritten graph besides the families' own sources: the matching contract
-    # (registry: distinct inputs, scalar facts) and the rewrites outside the families.
-    graph_pass_modules = [inspect.getmodule(run) for run in GRAPH_PASS_RUNS.values()]
-    for module in (registry_module, canonicalize_module, horizontal_module, merge_projections_module, rope_gather_module,
-                   tp_variance_module, *graph_pass_modules):  # fmt: skip
-        digest.update(inspect.getsource(module).encode())
+def pass_uuid(config: FusionConfig, root: Path | None = None) -> str:
+    """Every source file of the package (under ``root``, default this package), the kernel
+    versions and what of the config changes the graph: whatever decides the rewritten graph is
+    in one of them, so no compile cache (Inductor's FX-graph cache, vLLM's) serves a graph our
+    pass would now rewrite differently."""
     from .. import kernels
 
-    # The graph passes outside the families (a family's kernel version is hashed below).
-    for name in (*GRAPH_PASSES, "merge_projections"):
-        if getattr(config, name):
-            digest.update(f"{name}:{kernels.KERNEL_VERSIONS.get(name, '')}".encode())
-    for name in config.enabled_families():
-        family = FAMILIES[name]
-        digest.update(source_text(family).encode())
-        for version in family_kernel_versions(family):
-            digest.update(version.encode())
+    digest = hashlib.sha256()
+    digest.update(config.cache_key().encode())
+    digest.update(source_digest(Path(root) if root is not None else PACKAGE_ROOT).encode())
+    for name, version in sorted(kernels.KERNEL_VERSIONS.items()):
+        digest.update(f"{name}:{version}\n".encode())
     return digest.hexdigest()
 
 
-def family_kernel_versions(family: Family) -> list[str]:
-    from .. import kernels
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
-    return [f"{family.name}:{kernels.KERNEL_VERSIONS.get(family.name, 'none')}"]
+
+@functools.cache
+def source_digest(root: Path) -> str:
+    """sha256 over every ``*.py`` under ``root`` (its path relative to root, then its bytes), in
+    path order. Read once per process and root."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(root).rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def strict_failure(graph_report: GraphReport, every_candidate: bool) -> str | None:
+    """Strict mode's message for a graph, or None: each expected site that did not fuse, or
+    with ``every_candidate`` (no expected sites given) each candidate site that did not."""
+    if every_candidate:
+        misses = graph_report.missed()
+        if not misses:
+            return None
+        lines = [f"strict mode: {len(misses)} candidate site(s) did not fuse (no expected sites were given, "
+                 "so every candidate site is expected):"]
+        lines += [f"  {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} (stopped at {s.stopped_at})"
+                  for s in misses]
+        return "\n".join(lines)
+    missing = graph_report.missing_expected()
+    return _format_missing(graph_report, missing) if missing else None
 
 
 def _format_missing(graph_report: GraphReport, missing) -> str:

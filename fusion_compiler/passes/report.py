@@ -66,9 +66,14 @@ class GraphReport:
 
 @dataclasses.dataclass
 class MatchReport:
-    """All graphs one backend compiled. Counts are summed over graphs."""
+    """All graphs one backend compiled. Counts are summed over graphs.
+
+    ``step_graphs``: the CUDA-graph wrapper of each graph compiled for CUDA inputs, in compile
+    order (the backend's ``cudagraph.StepGraphs``; read only through their ``report()`` dict),
+    so the report says what ran captured and what did not."""
 
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
+    step_graphs: list = dataclasses.field(default_factory=list)
 
     @property
     def sites(self) -> list[Site]:
@@ -105,6 +110,23 @@ class MatchReport:
     def missing_expected(self) -> list[tuple[str, str, int, int]]:
         return [m for g in self.graphs for m in g.missing_expected()]
 
+    def unseen_expected(self) -> list[tuple[str, str, int]]:
+        """(family, module, expected) for expected modules that no compiled graph ran: a module
+        that ran outside the compiled graphs (a graph break), or a path that names no module."""
+        seen = set().union(*(g.modules_in_graph for g in self.graphs)) if self.graphs else set()
+        out = {}
+        for g in self.graphs:
+            for family, per_module in g.expected.items():
+                for module, count in per_module.items():
+                    if module not in seen:
+                        out[(family, module)] = count
+        return [(family, module, count) for (family, module), count in out.items()]
+
+    def cuda_graphs(self) -> list[dict]:
+        """Each step graph's own report: graphs captured, calls that ran uncaptured, any
+        capture error (cudagraph.StepGraphs.report)."""
+        return [g.report() for g in self.step_graphs]
+
     def summary(self) -> str:
         fams = sorted({s.family for s in self.sites})
         parts = []
@@ -115,6 +137,9 @@ class MatchReport:
         missing = self.missing_expected()
         if missing:
             parts.append(f"{len(missing)} expected modules not fused")
+        unseen = self.unseen_expected()
+        if unseen:
+            parts.append(f"{len(unseen)} expected modules in no compiled graph")
         return "; ".join(parts) or "no candidate sites"
 
     def merges(self) -> list[tuple[str, str, int]]:
@@ -151,6 +176,8 @@ class MatchReport:
             "missing_expected": [
                 {"family": f, "module": m, "expected": e, "found": n} for f, m, e, n in self.missing_expected()
             ],
+            "unseen_expected": [{"family": f, "module": m, "expected": e} for f, m, e in self.unseen_expected()],
+            "cuda_graphs": self.cuda_graphs(),
         }
 
     def format(self) -> str:
@@ -175,7 +202,22 @@ class MatchReport:
             lines.append(f"  miss {s.family} at {s.module or '?'} ({s.anchor}): {s.reason} [stopped at {s.stopped_at}]")
         for family, module, expected, found in self.missing_expected():
             lines.append(f"  expected {expected} {family} at {module}, fused {found}")
+        for family, module, expected in self.unseen_expected():
+            lines.append(f"  expected {expected} {family} at {module}: no compiled graph ran this module")
+        lines += [f"  {_cuda_graph_line(r)}" for r in self.cuda_graphs()]
         return "\n".join(lines)
+
+
+def _cuda_graph_line(report: dict) -> str:
+    """One step graph's CUDA-graph figures in words (keys of cudagraph.StepGraphs.report)."""
+    nodes_by_rows = report.get("kernel_nodes_by_rows", {})
+    rows = ", ".join(f"{rows} rows: {nodes} kernel nodes" for rows, nodes in nodes_by_rows.items())
+    line = (f"{report.get('name', 'graph')}: {report.get('graphs', 0)} CUDA graph(s) captured"
+            f"{f' ({rows})' if rows else ''}; calls: {report.get('warmup_calls', 0)} warm-up, "
+            f"{report.get('replays', 0)} replayed, {report.get('uncaptured_calls', 0)} uncaptured")
+    if report.get("capture_error"):
+        line += f"; capture failed: {report['capture_error']}"
+    return line
 
 
 def modules_in(graph: torch.fx.Graph) -> set[str]:

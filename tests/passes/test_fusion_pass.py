@@ -4,56 +4,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import shutil
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fusion_compiler as fc
-from fusion_compiler.ops import rms_norm as rms_norm_ops
-from fusion_compiler.passes.fusion_pass import pass_uuid
+from fusion_compiler.passes.fusion_pass import PACKAGE_ROOT, pass_uuid, source_digest
+from fusion_compiler.passes.report import GraphReport, MatchReport
 from fusion_compiler.module_paths import layer_of, normalize_module_path
-
-BF16 = torch.bfloat16
-
-
-class Norm(nn.Module):
-    def __init__(self, eps=1e-6, tensor_eps=False):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(32))
-        self.eps = torch.tensor(eps) if tensor_eps else eps
-
-    def forward(self, x):
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-class Layer(nn.Module):
-    def __init__(self, tensor_eps=False):
-        super().__init__()
-        self.input_layernorm = Norm(tensor_eps=tensor_eps)
-        self.mlp = nn.Linear(32, 32)
-        self.post_attention_layernorm = Norm()
-
-    def forward(self, x):
-        h = x + self.mlp(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Stack(nn.Module):
-    def __init__(self, broken_layer=None):
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(tensor_eps=(i == broken_layer)) for i in range(3))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-EXPECTED = {
-    "add_rms_norm": {f"layers.{i}.{name}": 1 for i in range(3) for name in ("input_layernorm", "post_attention_layernorm")}
-}
+from stack_fixtures import BF16, EXPECTED, Stack, wrong_add_rms_norm
 
 
 def _run(model, config):
@@ -73,7 +33,7 @@ def test_expected_vs_found_per_layer():
 
 
 def test_strict_raises_naming_the_missing_site_and_its_reason():
-    with pytest.raises(Exception, match=r"layers\.1\.input_layernorm.*eps is a tensor"):
+    with pytest.raises(fc.MissedSiteError, match=r"layers\.1\.input_layernorm.*eps is a tensor"):
         _run(Stack(broken_layer=1), fc.FusionConfig(expected=EXPECTED, strict=True))
 
 
@@ -89,7 +49,8 @@ def test_one_log_line_per_compile_summarises_matches(caplog):
     with caplog.at_level(logging.INFO, logger="fusion_compiler"):
         _run(Stack(), fc.FusionConfig())
     lines = [r.getMessage() for r in caplog.records if r.name == "fusion_compiler"]
-    assert lines == ["fusion_compiler graph 0: add_rms_norm 6/6 sites fused"]
+    # The logger's name says fusion_compiler; the message does not say it again.
+    assert lines == ["graph 0: add_rms_norm 6/6 sites fused"]
 
 
 def test_verify_passes_on_a_correct_rewrite():
@@ -99,18 +60,10 @@ def test_verify_passes_on_a_correct_rewrite():
 
 def test_verify_raises_naming_sites_when_the_fused_op_is_wrong():
     op = torch.ops.fusion_compiler.add_rms_norm.default
-    custom_op = rms_norm_ops._add_rms_norm_op
-
-    def wrong(x, residual, weight, eps, weight_offset, out_dtype):
-        out, total = rms_norm_ops.add_rms_norm_reference(x, residual, weight, eps, weight_offset, out_dtype)
-        return out * 1.5, total
-
-    custom_op.register_kernel("cpu")(wrong)
-    try:
-        with pytest.raises(fc.VerificationError, match=r"add_rms_norm\.hf at layers\.\d\.post_attention_layernorm"):
-            _run(Stack(), fc.FusionConfig(verify=True))
-    finally:
-        custom_op.register_kernel("cpu")(rms_norm_ops.add_rms_norm_reference)
+    with wrong_add_rms_norm(), pytest.raises(
+        fc.VerificationError, match=r"add_rms_norm\.hf at layers\.\d\.post_attention_layernorm"
+    ):
+        _run(Stack(), fc.FusionConfig(verify=True))
     assert op is torch.ops.fusion_compiler.add_rms_norm.default
 
 
@@ -119,6 +72,43 @@ def test_uuid_is_stable_and_covers_the_config():
     assert a == pass_uuid(fc.FusionConfig(strict=True, verify=True))  # neither changes the graph
     assert a != pass_uuid(fc.FusionConfig(families={"add_rms_norm": "inductor"}))
     assert fc.FusionPass(fc.FusionConfig()).uuid() == a
+
+
+def test_uuid_changes_when_any_source_file_changes(tmp_path):
+    """The uuid hashes every source file of the package: an edit to a file no hand-kept list
+    named (patterns/spellings.py) changes it, so no compile cache serves the old graph."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    same, edited = tmp_path / "same", tmp_path / "edited"
+    shutil.copytree(PACKAGE_ROOT, same, ignore=ignore)
+    shutil.copytree(PACKAGE_ROOT, edited, ignore=ignore)
+    spellings = edited / "patterns" / "spellings.py"
+    spellings.write_text(spellings.read_text() + "\n# an edit\n")
+    # Content, not location (a copy of the copy: the live tree may be edited meanwhile).
+    assert source_digest(same) == source_digest(shutil.copytree(same, tmp_path / "moved"))
+    config = fc.FusionConfig()
+    assert pass_uuid(config, root=edited) != pass_uuid(config, root=same)
+    (same / "patterns" / "a_new_module.py").write_text("X = 1\n")
+    source_digest.cache_clear()  # read once per process: a new file needs a fresh read
+    assert source_digest(same) != source_digest(tmp_path / "moved")
+
+
+def test_report_shows_cuda_graphs_and_expected_modules_no_graph_ran():
+    """Each step graph's capture figures are in the report (format and JSON), read through its
+    report(); an expected module that no compiled graph ran is listed, not dropped."""
+
+    class Captured:
+        def report(self):
+            return {"name": "graph 0", "graphs": 1, "kernel_nodes_by_rows": {1: 79}, "warmup_calls": 1,
+                    "replays": 30, "uncaptured_calls": 2, "capture_error": None}
+
+    graph = GraphReport(0, expected={"add_rms_norm": {"layers.0.norm": 1, "layers.9.norm": 1}},
+                        modules_in_graph={"layers.0", "layers.0.norm"})
+    report = MatchReport([graph], step_graphs=[Captured()])
+    text = report.format()
+    assert "graph 0: 1 CUDA graph(s) captured (1 rows: 79 kernel nodes); calls: 1 warm-up, 30 replayed, 2 uncaptured" in text
+    assert "expected 1 add_rms_norm at layers.9.norm: no compiled graph ran this module" in text
+    assert report.to_dict()["cuda_graphs"][0]["uncaptured_calls"] == 2
+    assert report.unseen_expected() == [("add_rms_norm", "layers.9.norm", 1)]
 
 
 @pytest.mark.parametrize(
