@@ -11,7 +11,10 @@ and v go to their cache rows at the token's slot (slot -1: nothing), FP8 caches 
 scale`` (correctly rounded: ``_device.div_rn_by``) clamped to +-448 and rounded to e4m3. Both
 cache layouts (paged [blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one
 addressing with the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any
-row stride) are read at ``positions[t]``, or at row t without positions.
+row stride) are read at ``positions[t]``, or at row ``t % rows`` without positions (HF's [1, S]
+position_ids broadcast over the batch). Rounding follows the op's flags: ``ROUND_NORMALIZED``
+rounds ``x * rstd`` before the weight multiply, ``ROUND_ROPE`` each RoPE product and sum (HF's
+bf16 ops), so the values match eager's bits, not only its tolerance.
 
 History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
@@ -41,7 +44,7 @@ import triton.language as tl
 from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-12"
+KERNEL_VERSION = "gqa_prologue-13"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
@@ -91,10 +94,28 @@ def num_warps_for(lanes: int) -> int:
 
 
 @triton.jit
-def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr):
-    """x * rstd * (w + weight_offset) rounded to OUT_DTYPE, back in fp32."""
+def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr, ROUND_NORMALIZED: tl.constexpr):
+    """x * rstd * (w + weight_offset) rounded to OUT_DTYPE, back in fp32; with ROUND_NORMALIZED
+    x * rstd is rounded first (HF's ``weight * x.to(dtype)``)."""
     w = upcast(tl.load(W + w_index, mask=mask, other=0.0)) + weight_offset
-    return round_trip(x * rstd * w, OUT_DTYPE)
+    normalized = x * rstd
+    if ROUND_NORMALIZED:
+        normalized = round_trip(normalized, OUT_DTYPE)
+    return round_trip(normalized * w, OUT_DTYPE)
+
+
+@triton.jit
+def _rotated(n1, n2, c, s, OUT_DTYPE: tl.constexpr, ROUND_ROPE: tl.constexpr):
+    """The NeoX pair (n1, n2) rotated by (c, s), rounded to OUT_DTYPE: once, or with ROUND_ROPE
+    every product and sum (HF's ``x * cos + rotate_half(x) * sin`` on OUT_DTYPE tensors; each
+    rounding also keeps the compiler from contracting a product into an FMA)."""
+    if ROUND_ROPE:
+        out1 = round_trip(round_trip(n1 * c, OUT_DTYPE) - round_trip(n2 * s, OUT_DTYPE), OUT_DTYPE)
+        out2 = round_trip(round_trip(n2 * c, OUT_DTYPE) + round_trip(n1 * s, OUT_DTYPE), OUT_DTYPE)
+    else:
+        out1 = round_trip(n1 * c - n2 * s, OUT_DTYPE)
+        out2 = round_trip(n2 * c + n1 * s, OUT_DTYPE)
+    return out1, out2
 
 
 @triton.jit
@@ -145,7 +166,8 @@ def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD
 @triton.jit
 def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
                D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
-               FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr):
+               FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr, ROUND_NORMALIZED: tl.constexpr,
+               ROUND_ROPE: tl.constexpr):
     """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h), as
     the three ``_pieces`` in fp32 (rounded values). Full width: the token's rstd is given.
     Holding the rotary halves side by side, every lane is loaded and normed once and a NeoX pair
@@ -166,13 +188,12 @@ def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, 
         x = upcast(tl.load(rows + d, mask=(h < heads) & (d < D), other=0.0))
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         w_row = 0 * h
-    n1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE)
-    n2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE)
+    n1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
+    n2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
     c = upcast(tl.load(COS + cos_row + first, mask=half_ok, other=1.0))
     s = upcast(tl.load(SIN + sin_row + first, mask=half_ok, other=0.0))
-    out1 = round_trip(n1 * c - n2 * s, OUT_DTYPE)
-    out2 = round_trip(n2 * c + n1 * s, OUT_DTYPE)
-    return out1, out2, _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE)
+    out1, out2 = _rotated(n1, n2, c, s, OUT_DTYPE, ROUND_ROPE)
+    return out1, out2, _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
 
 
 @triton.jit
@@ -208,11 +229,12 @@ def _gqa_prologue_kernel(
     Q, K, V, QW, KW, COS, SIN, POS, SLOTS, K_CACHE, V_CACHE, K_CACHE_U8, V_CACHE_U8, Q_OUT, Q_VAR, K_VAR,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qo, stride_cos, stride_sin,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h, stride_qvar, stride_kvar,
-    heads, kv_heads, eps, weight_offset, k_scale, v_scale, variance_divisor,
+    heads, kv_heads, cos_rows, eps, weight_offset, k_scale, v_scale, variance_divisor,
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr, ROLES_RUN: tl.constexpr,
+    ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
@@ -234,8 +256,8 @@ def _gqa_prologue_kernel(
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
-        else:
-            row = t
+        else:  # one row per token, or per position of a sequence repeated over the batch
+            row = t % cos_rows
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
             if ROLES_RUN & 1:
@@ -246,7 +268,7 @@ def _gqa_prologue_kernel(
                     h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
                     q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
                                             weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
-                                            Q.dtype.element_ty)
+                                            Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
                     out = Q_OUT + t * stride_qo + h * D
                     out_dtype = Q_OUT.dtype.element_ty
                     tl.store(out + first, downcast(q1, out_dtype), mask=(h < heads) & half_ok)
@@ -261,7 +283,7 @@ def _gqa_prologue_kernel(
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
                 k1, k2, k3 = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
                                         weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
-                                        K.dtype.element_ty)
+                                        K.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
                 _write_cache(K_CACHE, K_CACHE_U8, k1, h, first, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
                              stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
                 _write_cache(K_CACHE, K_CACHE_U8, k2, h, second, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
@@ -282,7 +304,7 @@ def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, in
 
 def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
                      k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance, k_variance,
-                     variance_divisor, q_out) -> None:  # fmt: skip
+                     variance_divisor, round_normalized, round_rope_products, q_out) -> None:  # fmt: skip
     """Launch the kernel: writes ``q_out`` [T, heads, D] and the caches in place. Arguments as
     the op's (already validated there); q/k/v, cos/sin and the caches need unit stride along
     their last dim, the norm weights and q_out are contiguous. No host syncs."""
@@ -320,14 +342,15 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out, q_var, k_var,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h, q_var.stride(0), k_var.stride(0),
-            heads, kv_heads, float(eps), float(weight_offset), float(k_scale), float(v_scale), float(variance_divisor),
+            heads, kv_heads, max(1, cos.shape[0]), float(eps), float(weight_offset), float(k_scale), float(v_scale),
+            float(variance_divisor),
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=rot, HALF_PAD=triton.next_power_of_2(rot // 2),
             PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot)), BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
-            KV_ONE_PROGRAM=_KV_ONE_PROGRAM, ROLES_RUN=_ROLES_RUN,
-            num_warps=num_warps_for(hb_q * d_pad),
+            KV_ONE_PROGRAM=_KV_ONE_PROGRAM, ROLES_RUN=_ROLES_RUN, ROUND_NORMALIZED=bool(round_normalized),
+            ROUND_ROPE=bool(round_rope_products), num_warps=num_warps_for(hb_q * d_pad),
         )
 
     launch_on_device(q, _launch)

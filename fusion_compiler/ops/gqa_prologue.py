@@ -5,7 +5,8 @@
         Tensor k_norm_weight, float eps, float weight_offset, bool full_width_norm,
         Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache,
         Tensor slots, float k_scale, float v_scale, bool cache_heads_first,
-        Tensor? q_variance=None, Tensor? k_variance=None, float variance_divisor=1.0) -> Tensor q_out
+        Tensor? q_variance=None, Tensor? k_variance=None, float variance_divisor=1.0,
+        bool round_normalized=False, bool round_rope_products=False) -> Tensor q_out
 
     fusion_compiler::gqa_prologue_variance(Tensor q, Tensor k) -> Tensor   [T, 2] fp32
 
@@ -15,10 +16,13 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  token and head strides: views of one fused qkv GEMM output (MiniMax, vLLM), of
                  separate projections (HF), or of Qwen3.5's per-head [q | gate] rows (head
                  stride 2D)
-    norm(x, w)   RMSNorm in fp32, ``x * rstd * (w + weight_offset)``, rounded once to x.dtype;
-                 over all of a token's heads when ``full_width_norm`` (MiniMax: q over 6144, k
-                 over 1024, weights [heads * D] and [kv_heads * D]), else per head (Qwen3.5:
-                 weights [D], Gemma ``weight_offset`` 1.0)
+    norm(x, w)   RMSNorm in fp32, ``x * rstd * (w + weight_offset)`` rounded to x.dtype; with
+                 ``round_normalized`` ``x * rstd`` is rounded to x.dtype first and the product
+                 with the weight rounded again (HF's ``weight * x.to(dtype)``: MiniMax's
+                 ``MiniMaxM2RMSNorm``, vLLM's ``MiniMaxText01RMSNormTP``; Qwen3.5's Gemma norm
+                 rounds once). Over all of a token's heads when ``full_width_norm`` (MiniMax: q
+                 over 6144, k over 1024, weights [heads * D] and [kv_heads * D]), else per head
+                 (Qwen3.5: weights [D], Gemma ``weight_offset`` 1.0)
     variances    tensor parallelism (full width only): the mean of squares is given, not
                  computed: q's is ``q_variance[t] / variance_divisor`` (fp32, correctly rounded
                  division), k's likewise; q_variance, k_variance [T, 1] fp32, any token stride.
@@ -26,10 +30,14 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  ``MiniMaxText01RMSNormTP`` divides), or an already global mean and 1.0. Here q,
                  k and the weights are this rank's heads and weight shards.
     rope(x)      NeoX (rotate-half) on each head's first ``rotary_dim = 2 * cos.shape[-1]``
-                 dims, one angle per pair: cos / sin [N, rotary_dim / 2] read at row
-                 ``positions[t]`` (vLLM's cos_sin_cache halves) or at row t when positions is
-                 None (HF's per-token cos / sin); any dtype, fp32 math, rounded once; dims past
-                 rotary_dim pass through
+                 dims (up to all D), one angle per pair: cos / sin [N, rotary_dim / 2] read at
+                 row ``positions[t]`` (vLLM's cos_sin_cache halves), or without positions at row
+                 ``t % N``, N dividing T: one row per token (HF's per-row ``position_ids``), or
+                 one per position of a sequence repeated over the batch (HF's default [1, S]
+                 ``position_ids``, tokens batch-major). Any dtype; fp32 math rounded once, or
+                 with ``round_rope_products`` each product and each sum rounded to x.dtype (HF's
+                 ``x * cos + rotate_half(x) * sin`` on bf16 tensors, cos / sin in x.dtype); dims
+                 past rotary_dim pass through
     q_out        rope(norm(q, q_norm_weight))                   [T, heads, D] contiguous, q.dtype
     k_cache      rope(norm(k, k_norm_weight))[t] at flat slot ``slots[t]``; v_cache v[t]. The
                  caches are [blocks, block_size, kv_heads, D] (paged, vLLM), or with
@@ -44,9 +52,10 @@ squares, ``[mean(q[t].float()**2), mean(k[t].float()**2)]`` over all of q's and 
 (q [T, q_width], k [T, k_width], unit stride along the last dim), the [T, 2] that vLLM's
 ``forward_qk`` all-reduces in one call.
 
-One rounding per norm and per RoPE (the add_rms_norm family's contract): HF's
-``weight * x.to(dtype)`` and bf16 RoPE products round more often, so outputs agree with eager
-to bf16 tolerance, not bit for bit.
+The rounding flags make the op round where the matched code rounds, so a fused model keeps
+eager's bits (a greedy decode that rounds elsewhere can take another token at a near tie): HF's
+MiniMax code sets both, HF's Qwen3.5 code the RoPE one (its Gemma norm rounds once), serving
+code (fp32 RoPE) the norm one for MiniMax. In fp32 the roundings are exact.
 
 On CUDA the op runs ``kernels/gqa_prologue.py``. The pattern family
 ``patterns/gqa_prologue.py`` emits it.
@@ -57,7 +66,6 @@ from __future__ import annotations
 import torch
 
 from ._checks import require_dtype, require_shape, require_size_eq, require_slots_in_range
-from .rms_norm import rms_norm_reference
 from .rope import cos_sin_for_tokens, rope_neox_reference
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,15 +76,18 @@ _SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight, Tensor k_norm_weight, float eps, float weight_offset, "
     "bool full_width_norm, Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slots, float k_scale, float v_scale, bool cache_heads_first, Tensor? q_variance=None, "
-    "Tensor? k_variance=None, float variance_divisor=1.0) -> Tensor"
+    "Tensor? k_variance=None, float variance_divisor=1.0, bool round_normalized=False, "
+    "bool round_rope_products=False) -> Tensor"
 )
 ARG_NAMES = (
     "q", "k", "v", "q_norm_weight", "k_norm_weight", "eps", "weight_offset", "full_width_norm", "cos", "sin",
     "positions", "k_cache", "v_cache", "slots", "k_scale", "v_scale", "cache_heads_first", "q_variance",
-    "k_variance", "variance_divisor",
+    "k_variance", "variance_divisor", "round_normalized", "round_rope_products",
 )  # fmt: skip
 # The tensor-parallel arguments' defaults: the op computes the full-width means itself.
 NO_VARIANCE = {"q_variance": None, "k_variance": None, "variance_divisor": 1.0}
+# The defaults of the arguments after cache_heads_first: no variances given, one rounding each.
+DEFAULTS = {**NO_VARIANCE, "round_normalized": False, "round_rope_products": False}
 
 
 def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
@@ -84,15 +95,24 @@ def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
     return cache.transpose(1, 2) if heads_first else cache
 
 
+def _require_float(t: torch.Tensor, name: str, dtypes: tuple = _FLOATS) -> None:
+    """A dtype the kernel cannot take, said as a miss reason (the pattern family reports it)."""
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} dtype {t.dtype} is not one the fused GQA prologue takes ({names}): its kernel "
+                         f"computes in fp32")  # fmt: skip
+
+
 def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
               k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance=None, k_variance=None,
-              variance_divisor=1.0) -> tuple[int, int, int, int]:  # fmt: skip
+              variance_divisor=1.0, round_normalized=False,
+              round_rope_products=False) -> tuple[int, int, int, int]:  # fmt: skip
     """(heads, kv_heads, head_dim, rotary_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
                     ("cos", cos), ("sin", sin)):  # fmt: skip
-        require_dtype(t, _FLOATS, name)
-    require_dtype(k_cache, _CACHE_DTYPES, "k_cache")
-    require_dtype(v_cache, _CACHE_DTYPES, "v_cache")
+        _require_float(t, name)
+    _require_float(k_cache, "k_cache", _CACHE_DTYPES)
+    _require_float(v_cache, "v_cache", _CACHE_DTYPES)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k/v caches must be 4-D alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     _, _, kv_heads, head_dim = paged_view(k_cache, cache_heads_first).shape
@@ -113,7 +133,7 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
     if not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim {rotary_dim} (twice the cos width) must be in (0, {head_dim}]")
     if positions is None:
-        require_size_eq(cos.shape[0], tokens, "cos rows (one per token when positions is None)")
+        _require_rows_repeat(cos.shape[0], tokens)
     else:
         require_shape(positions, (tokens,), "positions")
     require_shape(slots, (tokens,), "slots")
@@ -121,6 +141,17 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
         raise ValueError(f"eps, k_scale and v_scale must be > 0, got {eps}, {k_scale}, {v_scale}")
     _validate_variances(q_variance, k_variance, variance_divisor, full_width_norm, tokens)
     return heads, kv_heads, head_dim, rotary_dim
+
+
+def _require_rows_repeat(rows, tokens) -> None:
+    """Without positions token t reads cos / sin row t % rows: rows must divide the tokens."""
+    what = (f"cos / sin have {rows} rows for {tokens} tokens: without positions each row must serve "
+            f"the same number of tokens (one per token, or one per position repeated over the batch)")  # fmt: skip
+    if isinstance(rows, int) and isinstance(tokens, int):
+        if rows != tokens and (rows < 1 or tokens % rows):
+            raise ValueError(what)
+    else:  # one expression, which the sizes' symbols decide without a guard (B * S % S, s0 % 1)
+        torch._check(tokens % rows == 0, lambda: what)
 
 
 def _validate_variances(q_variance, k_variance, divisor, full_width_norm, tokens) -> None:
@@ -137,18 +168,39 @@ def _validate_variances(q_variance, k_variance, divisor, full_width_norm, tokens
         raise ValueError(f"variance_divisor must be > 0, got {divisor}")
 
 
-def _norm(x, weight, eps, weight_offset, full_width, variance=None, divisor=1.0):
-    if variance is not None:  # the mean of squares given (tensor parallelism): rms_norm's math with it
-        h = x.reshape(x.shape[0], -1).float()
-        rstd = torch.rsqrt(variance / divisor + eps)
-        return (h * rstd * (weight.float() + weight_offset)).to(x.dtype).view(x.shape)
-    if full_width:
-        return rms_norm_reference(x.reshape(x.shape[0], -1), weight, eps, weight_offset).view(x.shape)
-    return rms_norm_reference(x, weight, eps, weight_offset)
+def _norm(x, weight, eps, weight_offset, full_width, round_normalized, variance=None, divisor=1.0):
+    h = (x.reshape(x.shape[0], -1) if full_width else x).float()
+    if variance is None:
+        variance = (h * h).mean(dim=-1, keepdim=True)
+    else:  # the mean of squares given (tensor parallelism); the division rounds once
+        variance = variance / divisor
+    normalized = h * torch.rsqrt(variance + eps)
+    if round_normalized:
+        normalized = normalized.to(x.dtype).float()
+    return (normalized * (weight.float() + weight_offset)).to(x.dtype).view(x.shape)
 
 
-def _rope(x, cos, sin, rotary_dim):
-    return torch.cat([rope_neox_reference(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+def _rope(x, cos, sin, rotary_dim, round_products):
+    """cos / sin: fp32 [T, rotary_dim / 2]."""
+    if not round_products:
+        return torch.cat([rope_neox_reference(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+
+    def rounded(t):
+        return t.to(x.dtype).float()
+
+    half = rotary_dim // 2
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
+    rotated = (rounded(rounded(first * cos) - rounded(second * sin)),
+               rounded(rounded(second * cos) + rounded(first * sin)))  # fmt: skip
+    return torch.cat([r.to(x.dtype) for r in rotated] + [x[..., rotary_dim:]], dim=-1)
+
+
+def _cos_sin(cos, sin, positions, tokens):
+    """Per-token fp32 cos / sin [T, rotary_dim / 2]: rows at the positions, or row t % rows."""
+    if positions is None and cos.shape[0] != tokens:
+        positions = torch.arange(tokens, device=cos.device) % cos.shape[0]
+    return cos_sin_for_tokens(cos, sin, positions)
 
 
 def _write(cache, heads_first, slots, rows, scale):
@@ -162,7 +214,8 @@ def _write(cache, heads_first, slots, rows, scale):
 
 def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin,
                            positions, k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first=False,
-                           q_variance=None, k_variance=None, variance_divisor=1.0):  # fmt: skip
+                           q_variance=None, k_variance=None, variance_divisor=1.0, round_normalized=False,
+                           round_rope_products=False):  # fmt: skip
     """Plain torch, any device; writes the caches in place and returns q_out."""
     *_, rotary_dim = _validate(
         q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
@@ -170,10 +223,11 @@ def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_of
     )  # fmt: skip
     paged = paged_view(k_cache, cache_heads_first)
     require_slots_in_range(slots, paged.shape[0] * paged.shape[1])
-    cos, sin = cos_sin_for_tokens(cos, sin, positions)
-    norm = (eps, weight_offset, full_width_norm)
-    q_out = _rope(_norm(q, q_norm_weight, *norm, q_variance, variance_divisor), cos, sin, rotary_dim)
-    k_out = _rope(_norm(k, k_norm_weight, *norm, k_variance, variance_divisor), cos, sin, rotary_dim)
+    cos, sin = _cos_sin(cos, sin, positions, q.shape[0])
+    norm = (eps, weight_offset, full_width_norm, round_normalized)
+    rope = (cos, sin, rotary_dim, round_rope_products)
+    q_out = _rope(_norm(q, q_norm_weight, *norm, q_variance, variance_divisor), *rope)
+    k_out = _rope(_norm(k, k_norm_weight, *norm, k_variance, variance_divisor), *rope)
     _write(k_cache, cache_heads_first, slots, k_out, k_scale)
     _write(v_cache, cache_heads_first, slots, v, v_scale)
     return q_out.contiguous()
@@ -183,13 +237,17 @@ def gqa_prologue_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns
     (q_out, new k_cache, new v_cache), as ``auto_functionalized`` does. Padding slots (-1) write
     back the row they would clobber."""
-    args = {name: kwargs[name] if name in kwargs else NO_VARIANCE[name] for name in ARG_NAMES}
+    args = {name: kwargs[name] if name in kwargs else DEFAULTS[name] for name in ARG_NAMES}
     *_, rotary_dim = _validate(**args)
-    cos, sin = cos_sin_for_tokens(args["cos"], args["sin"], args["positions"])
-    norm = (args["eps"], args["weight_offset"], args["full_width_norm"])
+    cos, sin, positions = args["cos"], args["sin"], args["positions"]
+    if positions is None:  # row t % rows, spelled without a size comparison (sizes may be symbolic)
+        positions = torch.arange(args["q"].shape[0], device=cos.device) % cos.shape[0]
+    cos, sin = cos_sin_for_tokens(cos, sin, positions)
+    norm = (args["eps"], args["weight_offset"], args["full_width_norm"], args["round_normalized"])
+    rope = (cos, sin, rotary_dim, args["round_rope_products"])
     divisor = args["variance_divisor"]
-    q_out = _rope(_norm(args["q"], args["q_norm_weight"], *norm, args["q_variance"], divisor), cos, sin, rotary_dim)
-    k_out = _rope(_norm(args["k"], args["k_norm_weight"], *norm, args["k_variance"], divisor), cos, sin, rotary_dim)
+    q_out = _rope(_norm(args["q"], args["q_norm_weight"], *norm, args["q_variance"], divisor), *rope)
+    k_out = _rope(_norm(args["k"], args["k_norm_weight"], *norm, args["k_variance"], divisor), *rope)
     slots, heads_first = args["slots"], args["cache_heads_first"]
 
     def write(cache, rows, scale):
@@ -220,7 +278,7 @@ def _fake(*args):
 def _all_args(args: tuple) -> tuple:
     """The op's arguments with the defaults the caller left out (the dispatcher hands an
     implementation only what was passed)."""
-    return tuple(args) + tuple(NO_VARIANCE[name] for name in ARG_NAMES[len(args) :])
+    return tuple(args) + tuple(DEFAULTS[name] for name in ARG_NAMES[len(args) :])
 
 
 @_op.register_kernel("cuda")

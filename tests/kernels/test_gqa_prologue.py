@@ -4,12 +4,17 @@ CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py). q/k/v are [T, heads, D] 
 fused qkv tensor (row stride > width; with ``gated`` q sits inside Qwen3.5's per-head [q | gate]
 rows, head stride 2D), caches are paged or HF's heads-first static layout, poisoned outside the
 written slots and checked unchanged there, slots include -1; cos / sin are fp32 tables read at
-positions (vLLM) or bf16 per-token rows (HF). Outputs: bf16 equal to the reference except a few elements
-one ulp apart (rsqrt's last bit), FP8 codes equal except a few one code apart. With ``tp`` the
-full-width norm takes its means of squares as inputs (a tensor-parallel rank: the all-reduced
-[T, 2] sums' columns, strided, and the world size), which are *not* those of its own rows, so
-a kernel that summed its rows anyway would fail. The local means (``_variance_kernel``) equal
-torch's mean to fp32 rounding of the sum.
+positions (vLLM) or per-token rows in the activation dtype (HF; with ``cos_rows`` fewer rows than
+tokens, each serving the tokens t with t % rows equal: HF's [1, S] position_ids broadcast over the
+batch). Outputs: bf16 equal to the reference except a few elements one ulp apart (rsqrt's last
+bit), FP8 codes equal except a few one code apart; every output is also checked against the
+reference's math in float64 (fp32 activations to 2e-6, bf16 to bf16 tolerance), and the cache
+bytes outside the written slots against their poison. The rounding flags (``round_normalized``:
+MiniMax's HF norm; ``round_rope_products``: HF's bf16 RoPE), full-head RoPE and fp32 activations
+are drawn too. With ``tp`` the full-width norm takes its means of squares as inputs (a
+tensor-parallel rank: the all-reduced [T, 2] sums' columns, strided, and the world size), which
+are *not* those of its own rows, so a kernel that summed its rows anyway would fail. The local
+means (``_variance_kernel``) equal torch's mean to fp32 rounding of the sum.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import KERNEL_VERSIONS  # noqa: E402
 from fusion_compiler.kernels import gqa_prologue as K  # noqa: E402
+from fusion_compiler.ops import gqa_prologue as ops  # noqa: E402
 from fusion_compiler.ops.gqa_prologue import gqa_prologue_reference, gqa_prologue_variance_reference  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -46,42 +53,78 @@ def _assert_bf16_close(out, ref, what):
 def _run(c):
     gen = torch.Generator().manual_seed(c["seed"])
     t, hq, hkv, d, rot = c["tokens"], c["kv_heads"] * c["group"], c["kv_heads"], c["head_dim"], c["rotary_dim"]
+    act = c.get("dtype", torch.bfloat16)
     q_width = 2 * hq * d if c.get("gated") else hq * d
-    qkv = (torch.randn(t, q_width + 2 * hkv * d + 8, generator=gen) * 2).bfloat16().to(DEVICE)
+    qkv = (torch.randn(t, q_width + 2 * hkv * d + 8, generator=gen) * 2).to(act).to(DEVICE)
     q = qkv[:, :q_width].view(t, hq, -1)[..., :d]  # gated: q is each head's first half
     k = qkv[:, q_width : q_width + hkv * d].view(t, hkv, d)
     v = qkv[:, q_width + hkv * d : q_width + 2 * hkv * d].view(t, hkv, d)
     width_q, width_k = (hq * d, hkv * d) if c["full_width"] else (d, d)
-    qw = (torch.randn(width_q, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
-    kw = (torch.randn(width_k, generator=gen) * 0.3 + (0 if c["offset"] else 1)).bfloat16().to(DEVICE)
+    qw = (torch.randn(width_q, generator=gen) * 0.3 + (0 if c["offset"] else 1)).to(act).to(DEVICE)
+    kw = (torch.randn(width_k, generator=gen) * 0.3 + (0 if c["offset"] else 1)).to(act).to(DEVICE)
     blocks, block_size = 3 + t, 4
     heads_first = c.get("heads_first", False)
-    cache_dtype = FP8 if c["fp8"] else torch.bfloat16
+    cache_dtype = FP8 if c["fp8"] else act
     shape = (blocks, hkv, block_size, d) if heads_first else (blocks, block_size, hkv, d)
     k_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
     v_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
     slots = torch.randperm(blocks * block_size, generator=gen)[:t]
     slots[torch.rand(t, generator=gen) < 0.25] = -1
-    if c.get("hf_angles"):  # HF: per-token bf16 rows of cat(freqs, freqs); the op reads the first half
-        angles = (torch.rand(t, rot // 2, generator=gen) * 6.28).repeat(1, 2)
-        cos, sin, positions = angles.cos().bfloat16()[:, : rot // 2], angles.sin().bfloat16()[:, : rot // 2], None
+    if c.get("hf_angles"):  # HF: rows of cat(freqs, freqs) in x's dtype; the op reads the first half
+        angles = (torch.rand(c.get("cos_rows") or t, rot // 2, generator=gen) * 6.28).repeat(1, 2)
+        cos, sin, positions = angles.cos().to(act)[:, : rot // 2], angles.sin().to(act)[:, : rot // 2], None
     else:
         table = _cos_sin(64, rot, gen)
         cos, sin, positions = table[:, : rot // 2], table[:, rot // 2 :], torch.randint(0, 64, (t,), generator=gen)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     positions = None if positions is None else positions.to(DEVICE)
     args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], cos, sin, positions)
-    tail = (slots.to(DEVICE), 0.5, 0.25, heads_first, *_variances(c, t, gen))
+    tail = (slots.to(DEVICE), 0.5, 0.25, heads_first, *_variances(c, t, gen), c.get("round_normalized", False),
+            c.get("round_rope", False))  # fmt: skip
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
-    q_out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    q_out = torch.full((t, hq, d), float("nan"), dtype=act, device=DEVICE)
+    pristine = k_cache.clone(), v_cache.clone()
     K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out)
+    _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail)
+    if act == torch.float32:  # fp32: another summation order is another last bit; float64 decides
+        return
     _assert_bf16_close(q_out, q_ref, "q_out")
     for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
         if c["fp8"]:
             assert_fp8_close(got, want, name)
         else:
             _assert_bf16_close(got, want, name)
+
+
+def _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail):
+    """The kernel's q and written K / V rows against the reference's math on float64 copies of
+    its inputs (the rounding flags then round nothing: the exact values), and every cache byte
+    outside the written slots equal to its poison."""
+    q, k, v, qw, kw, eps, offset, full_width, cos, sin, positions = args
+    slots, k_scale, v_scale, heads_first, q_var, k_var, divisor, round_normalized, round_rope = tail
+    q64, k64, v64, qw64, kw64, cos64, sin64 = (x.cpu().double() for x in (q, k, v, qw, kw, cos, sin))
+    variances = [None if x is None else x.cpu().double() for x in (q_var, k_var)]
+    cos64, sin64 = ops._cos_sin(cos64, sin64, None if positions is None else positions.cpu(), q.shape[0])
+    rot = 2 * cos.shape[-1]
+    norm = (eps, offset, full_width, round_normalized)
+    want_q = ops._rope(ops._norm(q64, qw64, *norm, variances[0], divisor), cos64, sin64, rot, round_rope)
+    want_k = ops._rope(ops._norm(k64, kw64, *norm, variances[1], divisor), cos64, sin64, rot, round_rope)
+    tolerance = 2e-6 if q.dtype == torch.float32 else 1e-2
+    slots = slots.cpu()
+    written = slots[slots >= 0]
+    assert torch.isfinite(q_out).all(), "q_out left unwritten (poisoned NaN)"
+    assert relative_error(q_out.cpu().double(), want_q) < tolerance
+    for cache, before, want, scale in ((k_cache, pristine[0], want_k, k_scale), (v_cache, pristine[1], v64, v_scale)):
+        paged, paged_before = ops.paged_view(cache, heads_first).cpu(), ops.paged_view(before, heads_first).cpu()
+        rows = paged.reshape(-1, *paged.shape[2:])
+        untouched = torch.ones(rows.shape[0], dtype=torch.bool)
+        untouched[written] = False
+        before_rows = paged_before.reshape(-1, *paged.shape[2:])
+        assert torch.equal(rows[untouched].view(torch.uint8), before_rows[untouched].view(torch.uint8))
+        got = rows[written].double() * (scale if cache.dtype == FP8 else 1.0)
+        step = 2**-3 if cache.dtype == FP8 else tolerance  # e4m3: 3 mantissa bits
+        assert relative_error(got, want[slots >= 0]) < step
 
 
 def _variances(c, tokens, gen):
@@ -98,12 +141,15 @@ def _variances(c, tokens, gen):
 @st.composite
 def configs(draw):
     head_dim = draw(st.sampled_from([16, 32, 48]))
+    tokens = draw(st.integers(1, 6))
     return dict(
-        tokens=draw(st.integers(1, 5)), kv_heads=draw(st.sampled_from([1, 2, 3])), group=draw(st.sampled_from([1, 2, 3])),
+        tokens=tokens, kv_heads=draw(st.sampled_from([1, 2, 3])), group=draw(st.sampled_from([1, 2, 3])),
         head_dim=head_dim, rotary_dim=draw(st.sampled_from([r for r in (8, 16, head_dim) if r <= head_dim])),
         full_width=draw(st.booleans()), offset=draw(st.booleans()), fp8=draw(st.booleans()),
         gated=draw(st.booleans()), heads_first=draw(st.booleans()), hf_angles=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**31 - 1)),
+        cos_rows=draw(st.sampled_from([r for r in range(1, tokens + 1) if tokens % r == 0])),
+        round_normalized=draw(st.booleans()), round_rope=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])), seed=draw(st.integers(0, 2**31 - 1)),
     )  # fmt: skip
 
 
@@ -112,7 +158,7 @@ def tp_configs(draw):
     """A tensor-parallel rank's full-width prologue: paged cache, vLLM tables (the TP patterns'
     layout), given means of squares over 2-8 ranks."""
     return {**draw(configs()), "full_width": True, "offset": False, "gated": False, "heads_first": False,
-            "hf_angles": False, "tp": draw(st.sampled_from([2, 3, 8]))}  # fmt: skip
+            "hf_angles": False, "round_rope": False, "tp": draw(st.sampled_from([2, 3, 8]))}  # fmt: skip
 
 
 @settings(max_examples=20, deadline=None)
@@ -132,7 +178,11 @@ def test_model_layouts(model):
         c.update(rotary_dim=16, full_width=False, offset=True, gated=True)
     _run(c)
     _run({**c, "fp8": True})
-    _run({**c, "heads_first": True, "hf_angles": True})  # HF's static cache and per-token angles
+    # HF's static cache, per-token angles and HF's roundings (MiniMax's norm rounds x * rstd first)
+    hf = {**c, "heads_first": True, "hf_angles": True, "round_rope": True, "round_normalized": model == "minimax"}
+    _run(hf)
+    _run({**hf, "cos_rows": 2})  # HF's default [1, S] position_ids: 2 sequences of 2 tokens, rows by position
+    _run({**hf, "cos_rows": 1, "rotary_dim": 64, "dtype": torch.float32})  # full RoPE, fp32, one row for all
 
 
 @settings(max_examples=15, deadline=None)
@@ -163,7 +213,7 @@ def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-12"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-13"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks

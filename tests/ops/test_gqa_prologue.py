@@ -34,11 +34,12 @@ def test_matches_the_minimax_reference_prologue():
         q_out = torch.ops.fusion_compiler.gqa_prologue(
             q.view(3, cfg.num_heads, -1), k.view(3, cfg.num_kv_heads, -1), v.view(3, cfg.num_kv_heads, -1),
             attn.q_norm_weight, attn.k_norm_weight, cfg.rms_norm_eps, 0.0, True, table[:, :half], table[:, half:],
-            positions, k_op, v_op, slots, 1.0, 1.0, False,
+            positions, k_op, v_op, slots, 1.0, 1.0, False, round_normalized=True,
         )  # fmt: skip
-    # One rounding per norm here, two in HF's `weight * x.to(dtype)`: bf16 tolerance.
-    assert relative_error(q_out, q_ref) < 1e-2
-    assert relative_error(k_op, k_ref) < 1e-2
+    # The reference's norm rounds as HF's (``weight * x.to(dtype)``), its RoPE once in fp32 as
+    # vLLM's: the op with round_normalized gives its bits.
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(k_op, k_ref)
     assert torch.equal(v_op, v_ref)  # v is copied as it is
     untouched = torch.ones(k_op.shape[0] * k_op.shape[1], dtype=torch.bool)
     untouched[slots] = False
@@ -176,3 +177,106 @@ def test_variance_arguments_are_checked():
     with pytest.raises(ValueError, match="full_width_norm is False"):
         op.gqa_prologue_reference(*per_head[:3], torch.ones(hd), torch.ones(hd), *per_head[5:], *caches, *tail,
                                   sums[:, :1], sums[:, 1:], 2.0)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# HF's code: its roundings and its position forms
+# ------------------------------------------------------------------------------------------
+
+
+def _hf_case(model: str, batch: int = 4, seq: int = 2, cos_batch: int = 1, full_rope: bool = False):
+    """HF's own q/k norms and RoPE on [batch, seq] tokens (cos / sin [cos_batch, seq, rot]: 1 is
+    HF's default [1, S] position_ids, broadcast over the batch): (eager q [T, H, D], eager k rows,
+    the op's arguments)."""
+    if model == "minimax":
+        from transformers.models.minimax_m2 import modeling_minimax_m2 as hf
+
+        heads, kv_heads, d, rot = 4, 2, 32, 32 if full_rope else 16
+        q_norm, k_norm = hf.MiniMaxM2RMSNorm(heads * d), hf.MiniMaxM2RMSNorm(kv_heads * d)
+    else:
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+        heads, kv_heads, d, rot = 4, 2, 32, 32 if full_rope else 8
+        q_norm, k_norm = hf.Qwen3_5MoeRMSNorm(d), hf.Qwen3_5MoeRMSNorm(d)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for norm in (q_norm, k_norm):
+            offset = 1.0 if model == "minimax" else 0.0  # HF's init: ones, Gemma's zeros
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen) * 0.1 + offset)
+    q_norm, k_norm = q_norm.bfloat16(), k_norm.bfloat16()
+    tokens = batch * seq
+    q_in = (torch.randn(batch, seq, heads * d, generator=gen) * 3).bfloat16()
+    k_in, v_in = ((torch.randn(batch, seq, kv_heads * d, generator=gen) * 3).bfloat16() for _ in range(2))
+    freqs = torch.rand(cos_batch, seq, rot // 2, generator=gen) * 100
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()  # HF: cat(freqs, freqs), cast to x's dtype
+    with torch.no_grad():
+        if model == "minimax":
+            q = q_norm(q_in).view(batch, seq, heads, d).transpose(1, 2)
+            k = k_norm(k_in).view(batch, seq, kv_heads, d).transpose(1, 2)
+        else:
+            q = q_norm(q_in.view(batch, seq, heads, d)).transpose(1, 2)
+            k = k_norm(k_in.view(batch, seq, kv_heads, d)).transpose(1, 2)
+        q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    full_width, weight_offset = (True, 0.0) if model == "minimax" else (False, 1.0)
+    args = dict(
+        q=q_in.view(tokens, heads, d), k=k_in.view(tokens, kv_heads, d), v=v_in.view(tokens, kv_heads, d),
+        q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=1e-6, weight_offset=weight_offset,
+        full_width_norm=full_width,
+        cos=cos.reshape(-1, rot)[:, : rot // 2], sin=sin.reshape(-1, rot)[:, : rot // 2], positions=None,
+        k_cache=torch.randn(batch, kv_heads, seq + 3, d, generator=gen).bfloat16(), slots=None, k_scale=1.0,
+        v_scale=1.0, cache_heads_first=True,
+    )  # fmt: skip
+    args["v_cache"] = args["k_cache"].clone()
+    args["slots"] = (torch.arange(batch)[:, None] * (seq + 3) + torch.arange(seq) + 1).reshape(-1)
+    return q.transpose(1, 2).reshape(tokens, heads, d), k.transpose(1, 2).reshape(tokens, kv_heads, d), args
+
+
+def _call(args: dict, **flags):
+    named = {**op.DEFAULTS, **args, "k_cache": args["k_cache"].clone(), "v_cache": args["v_cache"].clone(), **flags}
+    q_out = op.gqa_prologue_reference(**{name: named[name] for name in op.ARG_NAMES})
+    k_rows = op.paged_view(named["k_cache"], True).flatten(0, 1)
+    return q_out, k_rows[named["slots"]]
+
+
+def test_rounds_like_hf_minimax_and_qwen_for_every_position_form():
+    """With HF's roundings (MiniMax: x * rstd rounded before the weight multiply; both models:
+    every bf16 RoPE product rounded) the op is eager's bits: for HF's default [1, S] cos / sin
+    (rows by position, repeated over the batch), per-row [B, S] ones, and full RoPE. Rounding
+    once (the flags off) is not: HF MiniMax's q then differs in more than 5% of its elements."""
+    for model, flags in (("minimax", dict(round_normalized=True, round_rope_products=True)),
+                         ("qwen", dict(round_rope_products=True))):  # fmt: skip
+        for case in (dict(), dict(cos_batch=4), dict(full_rope=True)):
+            q_hf, k_hf, args = _hf_case(model, **case)
+            q_out, k_rows = _call(args, **flags)
+            assert torch.equal(q_out, q_hf) and torch.equal(k_rows, k_hf), (model, case)
+    q_hf, k_hf, args = _hf_case("minimax")
+    q_once, _ = _call(args)
+    assert (q_once != q_hf).float().mean() > 0.05
+
+
+def test_canonical_decomposition_reads_broadcast_rows_and_rounds_alike():
+    _, _, args = _hf_case("minimax")
+    flags = dict(round_normalized=True, round_rope_products=True)
+    named = {**op.DEFAULTS, **args, **flags}
+    q_out, k_new, _ = op.gqa_prologue_canonical(**named)
+    k_ref = args["k_cache"].clone()
+    q_ref = op.gqa_prologue_reference(**{**named, "k_cache": k_ref, "v_cache": args["v_cache"].clone()})
+    assert torch.equal(q_out, q_ref) and torch.equal(k_new, k_ref)
+
+
+def test_checks_read_as_miss_reasons():
+    """The op's ValueErrors become a site's miss reason when the compiler declines on them."""
+    import pytest
+
+    _, _, args = _hf_case("minimax", batch=3, seq=2)
+    named = {**op.DEFAULTS, **args}
+
+    def call(**over):
+        return op.gqa_prologue_reference(**{n: {**named, **over}[n] for n in op.ARG_NAMES})
+
+    with pytest.raises(ValueError, match="cos / sin have 4 rows for 6 tokens: without positions each row must serve"):
+        call(cos=torch.cat([args["cos"]] * 2), sin=torch.cat([args["sin"]] * 2))
+    call(cos=args["cos"][:1], sin=args["sin"][:1])  # one row for every token: HF's [1, 1] at decode
+    with pytest.raises(ValueError, match="q dtype torch.float64 is not one the fused GQA prologue takes"):
+        call(q=args["q"].double())
