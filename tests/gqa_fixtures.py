@@ -1,5 +1,5 @@
 """What the GQA prologue pattern tests share: a small paged-cache prologue's inputs, compiling it
-beside eager, and the one-miss assertion."""
+beside eager, the one-miss assertion, and HF static caches against eager's."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def assert_missed(report, *words):
     assert report.per_variant() == {}, report.format()
     [miss] = report.misses(FAMILY)
     assert all(w in miss.reason for w in words), miss.reason
+
+
+def assert_hf_caches(eager_step, fused_cache, attention_layers):
+    """HF's static caches after one decode step: the new position's K / V rows close to eager's
+    (bf16 tolerance), every other cache byte unchanged."""
+    position = eager_step.context
+    for i in attention_layers:
+        eager_layer, fused_layer = eager_step.cache.layers[i], fused_cache.layers[i]
+        for want, got in ((eager_layer.keys, fused_layer.keys), (eager_layer.values, fused_layer.values)):
+            others = torch.ones(want.shape[2], dtype=torch.bool)
+            others[position] = False
+            assert torch.equal(got[:, :, others], want[:, :, others])
+            assert relative_error(got[:, :, position], want[:, :, position]) < 1e-2
 
 
 def paged_decode(ref, ours, cfg, x: torch.Tensor, k_scale=1.0, v_scale=1.0):

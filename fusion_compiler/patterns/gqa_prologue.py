@@ -11,9 +11,12 @@ Two norms, each as its model writes it:
 Two layouts, each as its code writes it:
 
 * ``hf``: HF transformers: heads transposed to [B, H, S, D], RoPE ``x * cos + rotate_half(x) *
-  sin`` on the first ``cos.shape[-1]`` dims in the activation dtype, the static cache written
+  sin`` on the first ``cos.shape[-1]`` dims in the activation dtype (``hf_full_rope``: on all of
+  them, as HF's default ``MiniMaxM2Config`` without ``partial_rotary_factor`` has it; the
+  post-grad graph then has no slice and no cat around the rotation), the static cache written
   by ``index_copy_`` along the sequence dim (an ``index_put`` with ``[None, None, position]``
-  post-grad);
+  post-grad). cos / sin are [B, S, D] (per-row position_ids) or [1, S, D] (HF's default,
+  broadcast over the batch); the op reads either;
 * ``paged``: a serving engine (model_adapters/*/reference.py, vLLM's forward_native): [T, H, D],
   NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache`` gathered at the
   positions, K and V written into a paged cache at flat slots, bf16 or FP8 with a per-tensor
@@ -28,7 +31,14 @@ variance as an input, and the guard follows that input back: ``wait_tensor(all_r
 part being the mean of squares of the same q (or k). passes/tp_variance.py then folds the
 division into the op and fuses the two local means before the all-reduce into one op.
 
-The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``.
+The op rounds where each spelling rounds (its ``round_normalized`` / ``round_rope_products``):
+MiniMax's norm rounds ``x * rstd`` before the weight multiply, HF's RoPE every bf16 product, so
+a fused model keeps eager's bits and its greedy tokens. Patterns are traced in bf16 and fp32 (an
+fp32 graph has no casts, so the bf16 trace does not fit it); other float widths meet the bf16
+trace, and the op's dtypes decide (float64: a reported miss).
+
+The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``, or
+HF's rotation itself (full RoPE) after a q/k norm.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
 the matched nodes: the RoPE's slice points (partial, NeoX halves, not GPT-J pairs), the norm's
 width and Gemma's offset, the cast an FP8 write rounds to.
@@ -91,6 +101,12 @@ def rope_partial_hf(x, cos, sin):
     return torch.cat([mla_prologue.rope_halves_hf(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
 
 
+def rope_full_hf(x, cos, sin):
+    """HF ``apply_rotary_pos_emb`` with cos / sin as wide as the head: its ``x[..., :D]`` and
+    the empty pass-through are gone from the post-grad graph."""
+    return mla_prologue.rope_halves_hf(x, cos, sin)
+
+
 def rope_partial_fp32(x, cos, sin):
     """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
     fp32, one rounding (model_adapters/paged_kv.py's ``rope_neox_partial``)."""
@@ -118,7 +134,9 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
     return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
 
-def _search(norm: str, layout: str, cache: str):
+def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
+    rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
+
     def prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
         head_dim = k_cache.shape[-1]
         q = normed_heads(q, q_weight, eps, norm, layout, head_dim)
@@ -126,7 +144,7 @@ def _search(norm: str, layout: str, cache: str):
         if layout == "hf":  # where: the cache positions
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q, k = rope_partial_hf(q, cos, sin), rope_partial_hf(k, cos, sin)
+            q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
             k_cache = aten.index_put.default(k_cache, [None, None, where], k)
             v_cache = aten.index_put.default(v_cache, [None, None, where], v)
             return q, k_cache, v_cache
@@ -161,25 +179,30 @@ def _search_tp(cache: str):
     return prologue_tp
 
 
-def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False) -> Variant:
+def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial") -> Variant:
     name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" else "")
-    search = _search_tp(cache) if tp else _search(norm, layout, cache)
-    return Variant(name, search, {"norm": norm, "layout": layout, "cache": cache, "tp": tp})
+    name += "_full_rope" if rotary == "full" else ""
+    search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
+    return Variant(name, search, {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary})
 
 
 # The tensor-parallel variants come last: a single-rank graph never reaches them (its upcast
 # also feeds the local mean, a user outside their pattern), and a TP graph never fits the others.
+# Full RoPE: HF's spelling only (serving code ropes part of each head for both models).
 VARIANTS = tuple(
     _variant(norm, layout, cache)
     for norm in ("minimax", "qwen")
     for layout, cache in (("paged", "fp8"), ("paged", "bf16"), ("hf", "bf16"))
-) + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
+) + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen")) + tuple(
+    _variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16")
+)
 
 # ------------------------------------------------------------------------------------------
 # Example inputs (tiny, real structure: partial RoPE, GQA)
 # ------------------------------------------------------------------------------------------
 
-DTYPE_COMBOS = ((torch.bfloat16,),)
+# fp32: an fp32 graph has none of the casts the bf16 trace holds. fp16 fits the bf16 trace.
+DTYPE_COMBOS = ((torch.bfloat16,), (torch.float32,))
 _T, _HQ, _HKV, _D, _ROT, _BLOCKS, _BS = 2, 4, 2, 16, 8, 3, 4
 
 
@@ -191,16 +214,17 @@ def example_inputs(variant: Variant, combo) -> list:
         return torch.randn(*shape, dtype=dtype)
 
     lead = (1, _T) if p["layout"] == "hf" else (_T,)
+    rot = _D if p["rotary"] == "full" else _ROT
     if p["norm"] == "minimax":
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
         q, k, qw, kw = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(_D), r(_D)
     v = r(*lead, _HKV, _D) if p["layout"] == "hf" else r(*lead, _HKV * _D)
     if p["layout"] == "hf":
-        cos, sin = r(1, _T, _ROT), r(1, _T, _ROT)
+        cos, sin = r(1, _T, rot), r(1, _T, rot)
         k_cache, v_cache = r(1, _HKV, _BLOCKS * _BS, _D), r(1, _HKV, _BLOCKS * _BS, _D)
         return [q, k, v, qw, kw, cos, sin, k_cache, v_cache, torch.arange(_T), _EPS]
-    cos, sin = torch.randn(_T, _ROT // 2), torch.randn(_T, _ROT // 2)
+    cos, sin = torch.randn(_T, rot // 2), torch.randn(_T, rot // 2)
     cache_dtype = FP8 if p["cache"] == "fp8" else act
     k_cache = torch.zeros(_BLOCKS, _BS, _HKV, _D, dtype=cache_dtype)
     variances = [torch.rand(_T, 1) + 0.5, torch.rand(_T, 1) + 0.5] if p["tp"] else []
@@ -217,6 +241,7 @@ SCALARS = {"eps": _EPS, "k_scale": _K_SCALE, "v_scale": _V_SCALE}
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
     facts: dict[str, Any] = {"slices": set(), "norm_widths": set(), "weight_offsets": set(), "casts": set()}
+    weights = {inputs.get("q_weight"), inputs.get("k_weight")} - {None}
     for node in nodes:
         if node.op != "call_function":
             continue
@@ -228,7 +253,7 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             start, end = (list(node.args[2:4]) + [0, _NO_END])[:2]
             step = node.args[4] if len(node.args) > 4 else 1
             facts["slices"].add((start, min(end, _NO_END), step))
-        elif node.target is aten.add.Tensor and _is_weight_cast(node.args[0]):
+        elif node.target is aten.add.Tensor and _is_weight(node.args[0], weights):
             facts["weight_offsets"].add(node.args[1])  # Gemma's (1 + w)
         elif node.target is prims.convert_element_type.default:
             facts["casts"].add(node.args[1])
@@ -337,8 +362,11 @@ def _variance_facts(inputs: Mapping[str, Any]) -> dict[str, Any]:
     return facts
 
 
-def _is_weight_cast(node) -> bool:
-    return getattr(node, "target", None) is prims.convert_element_type.default and node.args[1] == torch.float32
+def _is_weight(node, weights: set) -> bool:
+    """A norm weight, upcast to fp32 (bf16 models) or as it is (fp32 models: no cast)."""
+    if getattr(node, "target", None) is prims.convert_element_type.default and node.args[1] == torch.float32:
+        node = node.args[0]
+    return node in weights
 
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
@@ -346,6 +374,9 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     for name in ("eps", "k_scale", "v_scale"):
         if name in values and not isinstance(values[name], (int, float)):
             return f"{name} is a tensor, not a Python number (got {values[name]}); the fused op takes it as a constant"
+    reason = _dtype_reason(values, p)
+    if reason:
+        return reason
     q, cos, k_cache = values["q"], values["cos"], values["k_cache"]
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
     heads = q.shape[-1] // head_dim if p["norm"] == "minimax" else q.shape[-2]
@@ -356,7 +387,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
     if reason:
         return reason
-    reason = _rope_reason(values["slices"], rot, head_dim, p["layout"])
+    reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
     if reason:
         return reason
     if p["layout"] == "hf" and not values["angles_duplicated"]:
@@ -364,6 +395,20 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if heads % kv_heads:
         return f"{heads} query heads do not share {kv_heads} kv heads evenly"
     return _cache_reason(values, p, kv_heads, head_dim)
+
+
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_reason(values, p) -> Reason:
+    for name in ("q", "k", "v", "q_weight", "k_weight"):
+        dtype = values[name].dtype
+        if dtype not in _ACTIVATION_DTYPES:
+            return f"{name} is {dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32 (it computes in fp32)"
+    q, cos = values["q"], values["cos"]
+    if p["layout"] == "hf" and cos.dtype != q.dtype:
+        return f"cos / sin are {cos.dtype}, q is {q.dtype}: HF's RoPE rounds its products in q's dtype"
+    return None
 
 
 def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) -> Reason:
@@ -406,16 +451,20 @@ def _tp_reason(values, q_width: int, k_width: int) -> Reason:
     return None
 
 
-def _rope_reason(slices: set, rot: int, head_dim: int, layout: str) -> Reason:
+def _rope_reason(slices: set, rot: int, head_dim: int, layout: str, rotary: str = "partial") -> Reason:
     steps = {step for *_, step in slices} - {None, 1}
     if steps:
         return f"RoPE slices with steps {sorted(steps)}: GPT-J pairs where NeoX halves are expected"
-    if rot >= head_dim:
-        return f"RoPE covers all {head_dim} dims: this family fuses partial RoPE"
+    if rotary == "full" and rot != head_dim:
+        return f"RoPE covers {rot} of {head_dim} dims where all are expected"
+    if rotary == "partial" and rot >= head_dim:
+        return f"RoPE covers all {head_dim} dims: this family fuses full RoPE in HF's spelling only"
     if rot % 2:
         return f"rotary_dim {rot} is odd"
     half = rot // 2
-    if layout == "hf":  # x[..., :rot], x[..., rot:], rotate_half's x[..., :rot/2], x[..., rot/2:]
+    if rotary == "full":  # rotate_half's x[..., :D/2], x[..., D/2:]; no pass-through
+        want = {(0, half, 1), (half, _NO_END, 1)}
+    elif layout == "hf":  # x[..., :rot], x[..., rot:], rotate_half's x[..., :rot/2], x[..., rot/2:]
         want = {(0, rot, 1), (rot, _NO_END, 1), (0, half, 1), (half, _NO_END, 1)}
     else:  # x[..., :half], x[..., half:rot], x[..., rot:]
         want = {(0, half, 1), (half, rot, 1), (rot, _NO_END, 1)}
@@ -442,9 +491,6 @@ def _cache_reason(values, p, kv_heads: int, head_dim: int) -> Reason:
         return f"cache dtype {k_cache.dtype}, expected {want}"
     if p["cache"] == "fp8" and FP8 not in values["casts"]:
         return f"the cache write casts to {sorted(map(str, values['casts']))}, not float8_e4m3fn"
-    for name in ("q", "k", "v", "q_weight", "k_weight"):
-        if values[name].dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"{name} dtype {values[name].dtype} is not bf16/fp16/fp32"
     return None
 
 
@@ -471,13 +517,16 @@ def replacement(variant: Variant, lowering: str):
         raise ValueError(f"no replacement for lowering {lowering!r}")
     p = variant.params
     full_width, offset = p["norm"] == "minimax", 0.0 if p["norm"] == "minimax" else 1.0
+    # Round where the matched code rounds: MiniMax's norm (every spelling) rounds x * rstd before
+    # the weight multiply; HF's RoPE runs in the activation dtype, one rounding per op.
+    rounding = dict(round_normalized=p["norm"] == "minimax", round_rope_products=p["layout"] == "hf")
 
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
         lead = v.shape[:-2] if p["layout"] == "hf" else v.shape[:-1]
         # Token counts as -1, never computed: under dynamic shapes a size expression of ours could
         # be bound to an equal one computed later in the graph (another layer's), a cycle.
-        if p["layout"] == "hf":  # per-token cat(freqs, freqs) rows; slot = batch * max_len + position
+        if p["layout"] == "hf":  # cat(freqs, freqs) rows, [B or 1, S]; slot = batch * max_len + position
             half = cos.shape[-1] // 2
             cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
             max_len = k_cache.shape[2]
@@ -493,7 +542,7 @@ def replacement(variant: Variant, lowering: str):
             v=v.reshape(-1, kv_heads, head_dim),
             q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps, weight_offset=offset, full_width_norm=full_width,
             cos=cos, sin=sin, positions=None, k_cache=k_cache, v_cache=v_cache, slots=slots,
-            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf", **variances,
+            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf", **variances, **rounding,
         )  # fmt: skip
         if p["layout"] == "hf":
             q_out = q_out.view(*lead, -1, head_dim).transpose(1, 2)
@@ -521,7 +570,7 @@ def replacement(variant: Variant, lowering: str):
 
 
 # ------------------------------------------------------------------------------------------
-# Sites: every K-cache write of a partially rotated row
+# Sites: every K-cache write of a rotated row (partly, or wholly after a q/k norm)
 # ------------------------------------------------------------------------------------------
 
 _THROUGH = (
@@ -568,10 +617,14 @@ def _halves_of_one_rotation(first, second) -> bool:
     return a is not None and a == b
 
 
-def _partial_rope_rows(node) -> bool:
+def _roped_rows(node) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
+        if mla_prologue.is_site(node):
+            # HF's rotation written as it is (full RoPE: no pass-through to cat back): a site
+            # after a q/k norm, as below.
+            return _normed(node)
         if node.target is aten.cat.default:
             # [rotated | passed through], or a rotation's own two halves (full rotary). The
             # latter is a candidate (a near miss: RoPE on all dims) only after a q/k norm:
@@ -591,12 +644,18 @@ def is_site(node: torch.fx.Node) -> bool:
         node.op == "call_function"
         and node.target is aten.index_put.default
         and len(node.args) >= 3
-        and _partial_rope_rows(node.args[2])
+        and _roped_rows(node.args[2])
     )
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    return None  # Inductor's FailedMatch text (registry.failed_match_reason)
+    """A dtype the kernel cannot take (float64: no trace of ours has its casts); else None, for
+    Inductor's FailedMatch text (registry.failed_match_reason)."""
+    rows = anchor.args[2]
+    value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
+    if value is not None and value.dtype not in _ACTIVATION_DTYPES:
+        return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
+    return None
 
 
 def _facts_with_angles(nodes, inputs):
