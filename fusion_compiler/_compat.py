@@ -104,11 +104,55 @@ def patterns_rooted_at(matcher: PatternMatcherPass, node: torch.fx.Node) -> list
     return [entry.pattern for entry in matcher.patterns.get((node.op, node.target), [])]
 
 
-def failed_match_node(result) -> torch.fx.Node | None:
-    """The graph node a failed match names (Inductor's ``FailedMatch`` keeps its format
-    arguments, e.g. ``function_mismatch: node=mm_8, pattern=...``), or None."""
-    values = (*getattr(result, "args", ()), *getattr(result, "kwargs", {}).values())
-    return next((v for v in values if isinstance(v, torch.fx.Node)), None)
+def failed_match_parts(result) -> tuple[str, tuple]:
+    """(format string, format arguments) of Inductor's ``FailedMatch``: the kind of failure
+    (``function_mismatch: node={}, pattern={}``, ``multiple_users {}``, ``constant_args: ...``,
+    ``list[{}]: {}``, ...) and the nodes, patterns and nested failures it names."""
+    args = (*getattr(result, "args", ()), *getattr(result, "kwargs", {}).values())
+    return getattr(result, "format_string", str(result)), args
+
+
+def match_with_progress(pattern, node: torch.fx.Node) -> tuple[object, int]:
+    """``pattern.match(node)`` (a Match or a FailedMatch) and how many of the pattern's
+    sub-patterns were bound to graph nodes when it stopped: of several variants that fail at one
+    node, the one that got furthest is the one the model's code is closest to."""
+    from torch._inductor.pattern_matcher import MatchContext
+
+    context = MatchContext([pattern], graph=node.graph)
+    try:
+        result = context.match(pattern, node)
+    except FailedMatch as failure:
+        result = failure
+    return result, sum(1 for bound in context.pattern_to_node.values() if bound is not None)
+
+
+def pattern_call(pattern) -> dict | None:
+    """What a pattern node expects, for the words of a miss: ``targets`` (the ops it accepts),
+    ``inputs`` (the names of its keyword-argument inputs: the search function's parameters),
+    ``arity`` and ``users`` (an int, or None for any number); None for a pattern that is not an
+    op call (an input, a wildcard, a list)."""
+    from torch._inductor.pattern_matcher import KeywordArg, _TargetExpr
+
+    if isinstance(pattern, KeywordArg):
+        return {"targets": [], "inputs": [pattern.name], "arity": 0, "users": None}
+    if not isinstance(pattern, _TargetExpr):
+        return None
+    args = list(getattr(pattern, "args", ()))
+    users = pattern.users if isinstance(pattern.users, int) else None
+    inputs = [a.name for a in args if isinstance(a, KeywordArg)]
+    return {"targets": list(pattern.fns), "inputs": inputs, "arity": len(args), "users": users}
+
+
+def _replacement_trace_kwargs() -> dict:
+    parameter = inspect.signature(register_replacement).parameters.get("get_decomp_fn")
+    return {} if parameter is None else {"get_decomp_fn": parameter.default}
+
+
+# The keyword arguments with which Inductor's check traces a replacement for a match, right after
+# the extra check accepts it (``trace_fn(replace_fn, args, get_decomp_fn=get_decomp_fn)``, the
+# default of register_replacement's ``get_decomp_fn`` where it has one): a trace of ours with the
+# same function, arguments and these is the one Inductor asks for next.
+REPLACEMENT_TRACE_KWARGS: dict = _replacement_trace_kwargs()
 
 
 def fake_value(node: object):

@@ -104,7 +104,10 @@ def _validate(args: dict, check_slot_values: bool = False) -> None:
         require_last_dim_contiguous(k_pe, "k_pe")
         require_dtype(k_pe, (kv_c.dtype,), "k_pe")
         if kv_c.shape[-1] % LATENT_GROUP:
-            raise ValueError(f"kv_c width {kv_c.shape[-1]} is not a multiple of {LATENT_GROUP}")
+            raise ValueError(
+                f"the latent kv_c is {kv_c.shape[-1]} wide (kv_lora_rank), not a multiple of {LATENT_GROUP}: "
+                f"the kernel normalises it in groups of {LATENT_GROUP}, the fp8_ds_mla cache's quant group"
+            )
     if index_k is not None:
         _check_norm_input(index_k, args["index_k_weight"], "index_k", tokens)
         if args["index_k_bias"] is not None:

@@ -4,8 +4,10 @@ A `Family` is a set of `Variant`s (plain torch search functions, one per way rea
 writes the same math), one guard shared by all variants, and a replacement per lowering.
 The registry turns a family into Inductor `register_replacement` entries: every variant
 is traced once per dtype combination the family declares, and every match goes through
-`guard` before it is replaced. A declined match is recorded with its reason; it never
-disappears silently.
+`guard` before it is replaced, then through its replacement traced on the site's own values: a
+fused op that cannot take the site (its argument checks raise) declines it there, before
+Inductor lowers anything. A declined match is recorded with its reason; it never disappears
+silently, and it never ends the compile.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +23,9 @@ from typing import Any
 import torch
 
 from .. import _compat
+from . import failed_match
+
+log = logging.getLogger("fusion_compiler")
 
 Reason = str | None
 
@@ -139,13 +145,18 @@ def _cycle_reason(match: _compat.Match) -> Reason:
     return None
 
 
-def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool]:
+def _checked(family: Family, variant: Variant, replace: Callable[..., Any]) -> Callable[[_compat.Match], bool]:
     def check(match: _compat.Match) -> bool:
         recorder = _active[-1] if _active else None
-        values = _match_values(family, match)
-        # A node left in `values` is an input the guard cannot reason about statically
-        # (e.g. eps computed by a tensor op): the guard sees it and declines with a reason.
-        reason = _same_node_reason(family, match) or _cycle_reason(match) or family.guard(values, variant)
+        try:
+            values = _match_values(family, match)
+            # A node left in `values` is an input the guard cannot reason about statically
+            # (e.g. eps computed by a tensor op): the guard sees it and declines with a reason.
+            reason = _same_node_reason(family, match) or _cycle_reason(match) or family.guard(values, variant)
+        except Exception as err:  # noqa: BLE001 - never crash on a model; the reason names the error
+            reason = _bug_reason(family, variant, "guard", err)
+        if reason is None:
+            reason = _lowering_reason(family, variant, replace, match, values)
         anchor = recorder.anchor_of(match) if recorder else None
         if reason is not None:
             if recorder is not None and anchor is not None:
@@ -156,6 +167,44 @@ def _checked(family: Family, variant: Variant) -> Callable[[_compat.Match], bool
         return True
 
     return check
+
+
+def _lowering_reason(family: Family, variant: Variant, replace, match: _compat.Match, values: Mapping[str, Any]) -> Reason:
+    """Why the replacement cannot take this site, or None: it is traced here with the site's own
+    fake values, as Inductor traces it right after this check accepts (inside the check's fake
+    mode, with the same arguments, so Inductor's trace is a copy of this one: ``_SITE_TRACES``).
+    A fused op's argument checks (its fake function) raise ValueError on what its kernel cannot
+    take (a width, a dtype, a layout); that would otherwise end the whole compile. Anything else
+    raised is a bug of ours: the site is declined saying what raised, and the log has the
+    traceback."""
+    args = [_fresh(match.kwargs[name] if name in match.kwargs else values.get(name))
+            for name in inspect.signature(variant.search).parameters]  # fmt: skip
+    try:
+        _trace(replace, args, **_compat.REPLACEMENT_TRACE_KWARGS)
+    except ValueError as err:
+        return f"the fused op does not take this site: {err}"
+    except Exception as err:  # noqa: BLE001 - never crash on a model; the reason names the error
+        return _bug_reason(family, variant, "replacement", err)
+    return None
+
+
+def _bug_reason(family: Family, variant: Variant, part: str, err: Exception) -> str:
+    """The reason for a site declined because our own code raised on it (logged with the traceback)."""
+    log.warning("%s's %s (%s) raised on a site", family.name, part, variant.name, exc_info=True)
+    return f"fusion_compiler's {family.name} {part} raised {type(err).__name__} on this site (a bug; please report it): {err}"
+
+
+def _fresh(value):
+    """A match input as Inductor's check hands it to the replacement: a node's fake value as a
+    new tensor of the same size, strides, dtype and device (``torch.empty_strided`` in the check's
+    fake mode); anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh(v) for v in value)
+    if isinstance(value, torch.fx.Node):
+        value = _compat.fake_value(value)
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+    return value
 
 
 def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
@@ -182,7 +231,8 @@ def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
 # the search with each structural match's own shapes and traces the replacement for it (~10 ms
 # each on CPU): once per layer, so a 61-layer model paid ~60x for the same graphs (session 13:
 # 36 traces, 17 distinct, in a 2-layer DeepSeek V3.2 step). One run is one graph and one fake
-# mode, so a copy is what a fresh trace would give; symbolic shapes are not cached.
+# mode, so a copy is what a fresh trace would give. The check's own trace of a replacement
+# (_lowering_reason) makes Inductor's trace right after it one of these copies.
 _SITE_TRACES: list[dict] = []
 
 
@@ -191,12 +241,17 @@ class _Uncacheable(Exception):
 
 
 def _trace_key(fn, args, kwargs) -> tuple | None:
+    def size(d):
+        # A symbolic size by its expression: one run is one shape env, where equal expressions
+        # are equal sizes.
+        return d if type(d) is int else ("sym", d.node.expr)
+
     def meta(value):
         if isinstance(value, torch.Tensor):
-            dims = (*value.shape, *value.stride())
-            if not all(type(d) is int for d in dims):
-                raise _Uncacheable
-            return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type, value.requires_grad)
+            shape, stride = tuple(map(size, value.shape)), tuple(map(size, value.stride()))
+            return ("tensor", shape, stride, value.dtype, value.device.type, value.requires_grad)
+        if isinstance(value, torch.SymInt):
+            return ("symint", size(value))
         if isinstance(value, (list, tuple)):
             return (type(value), tuple(meta(v) for v in value))
         if value is None or type(value) in (bool, int, float, str, torch.dtype):
@@ -218,6 +273,10 @@ def _copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return _compat.graph_module_lazy(gm, graph)
 
 
+# The variant each registered pattern was traced from, by the pattern's id (patterns live as long
+# as their matcher: the process).
+_VARIANT_OF: dict[int, str] = {}
+
 # Seconds spent tracing each (family, lowering)'s variants: once per process, then cached.
 TRACE_SECONDS: dict[tuple[str, str], float] = {}
 
@@ -238,16 +297,18 @@ def matcher_for(family: Family, lowering: str) -> _compat.PatternMatcherPass:
             inputs = family.example_inputs(variant, combo)
             if inputs is None:
                 continue
-            _compat.register_replacement(
+            pattern = _compat.register_replacement(
                 variant.search,
                 replace,
                 inputs,
                 _trace,
                 matcher,
-                extra_check=_checked(family, variant),
+                extra_check=_checked(family, variant, replace),
                 scalar_workaround=dict(family.scalars),
                 skip_duplicates=True,
             )
+            if pattern:  # False: a duplicate of a pattern registered already (another dtype's trace)
+                _VARIANT_OF[id(pattern)] = variant.name
     TRACE_SECONDS[(family.name, lowering)] = time.perf_counter() - started
     return matcher
 
@@ -280,45 +341,72 @@ def _rebound(recorder: MatchRecorder, graph: torch.fx.Graph) -> list[torch.fx.No
 
 
 def failed_match_reason(family: Family, lowering: str, anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    """Inductor's own account of why no variant matched near `anchor`.
+    """Why no variant matched near `anchor`, in one sentence, and the node where it stopped.
 
     Tries every registered variant at the anchor and at the nodes downstream of it (where a
     pattern's output can sit). A structural match anywhere there, which Inductor's exact re-trace
-    then refused, is the answer; else the first failure near the anchor: the node the failure
-    names (where the graph left the pattern), else the node tried. (The structural match is
+    then refused, is the answer; else, of the failures near the anchor, the one of the variant
+    that got furthest (the most pattern nodes bound before it stopped): the spelling the model's
+    code is closest to, said as what the model has at the node where it left that spelling
+    against what the pattern expects there (``failed_match.sentence``). (The structural match is
     looked for first: DeepSeek's router output sits past the anchor's first users, and the first
     failure there named another variant's mismatch while the real cause was the re-trace.)
     """
     matcher = matcher_for(family, lowering)
     frontier, seen = [anchor], {anchor}
-    first_failure = None
+    closest, closest_progress = None, -1
     for depth in range(_OUTPUT_SEARCH_DEPTH):
         for node in frontier:
             for pattern in _compat.patterns_rooted_at(matcher, node):
-                result = pattern.match(node)
+                result, progress = _compat.match_with_progress(pattern, node)
                 if _compat.is_match(result):
                     # Inductor refuses a structural match before any guard of ours runs when its
                     # re-trace of the search with the site's real shapes and literals differs, or
                     # when the match spans an in-place op.
                     return node, (
-                        f"the pattern's structure matches at {node.name}, but Inductor did not take it: its "
-                        "re-trace with this site's shapes differs (a literal such as a reshape's or split's "
-                        "sizes is not the traced spelling's), or the match spans an in-place op"
+                        f"{_VARIANT_OF.get(id(pattern), 'a variant')} matches at {node.name} in structure, but Inductor "
+                        "did not take it: its re-trace with this site's shapes differs (a literal such as a reshape's "
+                        "or split's sizes is not the traced spelling's), or the match spans an in-place op"
                     )
-                if depth < _FAILURE_SEARCH_DEPTH and first_failure is None:
+                if depth < _FAILURE_SEARCH_DEPTH and progress > closest_progress:
+                    stopped, words = failed_match.sentence(result, node)
                     # The node the failure names is where the graph left the pattern, when it is one.
-                    named = _compat.failed_match_node(result)
-                    diverged = named if named is not None and named.graph is node.graph else node
-                    first_failure = diverged, f"no variant matches at {node.name}: {result}"
+                    stopped = stopped if stopped.graph is node.graph else node
+                    closest, closest_progress = (stopped, f"closest variant {_VARIANT_OF.get(id(pattern), '?')}: {words}"), progress
         frontier = [u for n in frontier for u in n.users if u not in seen]
         seen.update(frontier)
-    return first_failure
+    return _dtype_reason(family, anchor) or closest
+
+
+def _dtype_reason(family: Family, anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """A site no variant matches whose values nearby are of a float dtype the family was never
+    traced for (a float64 model): that dtype is the reason, not the first spelling difference
+    it causes (its casts to fp32 are where a bf16 or fp32 model has none)."""
+    covered = {d for combo in family.dtype_combos for d in combo}
+    for node in _upstream_nodes(anchor, _DTYPE_SEARCH_DEPTH):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype not in covered:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in covered))
+            return node, (f"{node.name} is {str(val.dtype).removeprefix('torch.')}: {family.name}'s patterns and "
+                          f"kernels are for {names} models")  # fmt: skip
+    return None
+
+
+def _upstream_nodes(anchor: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
+    """The anchor and the nodes within ``depth`` inputs above it, nearest first."""
+    nodes = {anchor: None}
+    frontier = [anchor]
+    for _ in range(depth):
+        frontier = list(dict.fromkeys(m for n in frontier for m in n.all_input_nodes if m not in nodes))
+        nodes.update(dict.fromkeys(frontier))
+    return list(nodes)
 
 
 # A failed match names where the graph left the pattern only near the anchor; further on, only a
 # full structural match says anything (a site's output can sit tens of nodes past its anchor).
 _FAILURE_SEARCH_DEPTH = 5
 _OUTPUT_SEARCH_DEPTH = 48
+_DTYPE_SEARCH_DEPTH = 8  # a site's inputs sit within a few ops above its anchor
 
 
 def source_text(family: Family) -> str:

@@ -249,7 +249,8 @@ def test_off_lowering_leaves_graph_alone():
 
 
 def test_norm_without_a_weight_is_a_miss_explained_by_the_matcher():
-    """No weight multiply: no variant applies; the report carries the matcher's own account."""
+    """No weight multiply: no variant applies; the report carries the matcher's account, as one
+    sentence: the closest variant, and what the model has where it left that variant."""
 
     class Unweighted(nn.Module):
         def forward(self, x):
@@ -258,7 +259,9 @@ def test_norm_without_a_weight_is_a_miss_explained_by_the_matcher():
 
     report, actual, expected = _compile_and_run(Unweighted(), *_inputs(1))
     miss = _single_miss(report)
-    assert miss.reason.startswith("no variant matches at")
+    assert miss.reason.startswith("closest variant "), miss.reason
+    assert f"at {miss.stopped_at} the model has " in miss.reason and "where the pattern expects " in miss.reason
+    assert "CallFunction(" not in miss.reason
     assert relative_error(actual, expected) < 1e-2
 
 

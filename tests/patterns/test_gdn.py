@@ -162,7 +162,7 @@ def test_a_structural_match_inductor_refuses_is_a_miss_that_says_so(tmp_path, mo
     make_decode_step(model).run(torch.compile(model, backend=backend))
     (miss,) = backend.report.misses()
     assert miss.module == "model.layers.0.linear_attn"
-    assert "the pattern's structure matches at" in miss.reason and "re-trace" in miss.reason, miss.reason
+    assert "hf matches at" in miss.reason and "in structure" in miss.reason and "re-trace" in miss.reason, miss.reason
     assert miss.stopped_at in miss.reason
 
 
