@@ -27,7 +27,8 @@ def require_shape(t: torch.Tensor, shape: tuple, name: str) -> None:
 
 def require_dtype(t: torch.Tensor, dtypes: tuple, name: str) -> None:
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} dtype {t.dtype} not supported; expected one of {dtypes}")
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} dtype {t.dtype} not supported: the kernel takes {names}")
 
 
 def require_last_dim_contiguous(t: torch.Tensor, name: str) -> None:

@@ -132,17 +132,29 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
             continue
         scale = _arg(node, "scale")
         scale = float(scale) if scale is not None else q_shape[3] ** -0.5
+        # The op's argument checks (its fake function) on what it would be given, before the
+        # graph changes: a dtype or layout its kernel cannot take is a miss, not a crash.
+        mask_val = None
+        if row is not None:
+            mask_val = row[0].meta["val"]
+            mask_val = aten.slice.Tensor(mask_val, 3, 0, keys) if row[1] != keys else mask_val
+        try:
+            out_val = op(q.meta["val"], sources[0][0].meta["val"], sources[1][0].meta["val"], mask_val, scale)
+        except ValueError as err:
+            site.reason = f"the fused op does not take this site: {err}"
+            sites.append(site)
+            continue
         with graph.inserting_before(node):
             mask_arg = None
             if row is not None:
                 mask_arg, length = row
                 if length != keys:  # SDPA's alignment pad: the op reads the first S columns
                     sliced = graph.call_function(aten.slice.Tensor, (mask_arg, 3, 0, keys))
-                    sliced.meta["val"] = aten.slice.Tensor(mask_arg.meta["val"], 3, 0, keys)
+                    sliced.meta["val"] = mask_val
                     mask_arg = sliced
             args = (q, sources[0][0], sources[1][0], mask_arg, scale)
             out = graph.call_function(op, args)
-            out.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+            out.meta["val"] = out_val
         for user in list(node.users):
             user.replace_all_uses_with(out)
             graph.erase_node(user)

@@ -57,18 +57,29 @@ def _require(ok: bool, node: torch.fx.Node, reason: str) -> None:
 
 def _before_upcasts(node: torch.fx.Node) -> torch.fx.Node:
     """The tensor under ``.float()`` casts (HF's scores are fp32 products of bf16 values, what the
-    op computes); a cast down stays, so the op reads the rounded tensor as the model did."""
-    while target(node) in CASTS and node.meta["val"].dtype == torch.float32:
+    op computes); a cast down stays, so the op reads the rounded tensor as the model did (a
+    float64 model's ``.float()``: the op reads its fp32 result)."""
+    while target(node) in CASTS and node.meta["val"].dtype == torch.float32 and _narrow_float(node.args[0]):
         node = node.args[0]
     return node
 
 
-def _leading_broadcasts(node: torch.fx.Node) -> torch.fx.Node:
+def _narrow_float(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _leading_broadcasts(node: torch.fx.Node, rank: int | None = None) -> torch.fx.Node:
     """The tensor a matmul operand is broadcast from, through reshapes / expands that keep its
-    last two dims (matmul's batch broadcasting only merges and expands the leading ones)."""
+    last two dims (matmul's batch broadcasting only merges and expands the leading ones). With
+    ``rank``: not past a tensor of that rank into one of fewer dims (in an fp32 model no
+    ``.float()`` stops the walk, and HF's [B, S, H, D] queries are a view of the fused q op's
+    [B*S, H, D] output)."""
     last_two = val_shape(node)[-2:]
     while target(node) in _BROADCASTS:
         source = node.args[0]
+        if rank is not None and len(val_shape(node)) == rank and len(val_shape(source) or ()) < rank:
+            break
         _require(val_shape(source) is not None and val_shape(source)[-2:] == last_two, node,
                  f"{node.name} reshapes the matrix dims {last_two} of a score operand")  # fmt: skip
         node = source
@@ -135,18 +146,23 @@ def _weights(a: torch.fx.Node) -> tuple[torch.fx.Node, float]:
 
 
 def _queries(qv: torch.fx.Node) -> torch.fx.Node:
-    return _before_upcasts(_leading_broadcasts(qv))
+    return _before_upcasts(_leading_broadcasts(qv, rank=4))
 
 
-def _keys(kv: torch.fx.Node) -> torch.fx.Node:
-    """k [B, T, D] from the transposed, upcast, unsqueezed and broadcast operand."""
+def _keys(kv: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype | None]:
+    """(k [B, T, D], the dtype the model casts it down to before its product, or None) from the
+    transposed, upcast, unsqueezed and broadcast operand. A float64 model's ``.float()`` after
+    the transpose: the op reads the keys cast first (the same fp32 values)."""
     node = _leading_broadcasts(kv)
     if target(node) is aten.unsqueeze.default:
         node = node.args[0]
     node = _before_upcasts(node)
+    cast = None
+    if target(node) in CASTS and target(node.args[0]) is aten.permute.default:
+        cast, node = node.meta["val"].dtype, node.args[0]
     _require(target(node) is aten.permute.default and list(node.args[1]) == [0, 2, 1], node,
              f"{node.name}: the keys are not a [B, T, D] cache transposed to [B, D, T]")  # fmt: skip
-    return _before_upcasts(node.args[0])
+    return _before_upcasts(node.args[0]), cast
 
 
 def _match(topk: torch.fx.Node) -> dict:
@@ -177,14 +193,15 @@ def _match(topk: torch.fx.Node) -> dict:
     dots = _leading_broadcasts(dots)
     products = _bmm_operands(dots)
     _require(products is not None, dots, f"{dots.name}: the per-head scores are not q @ k^T")
-    q, keys = _queries(products[0]), _keys(products[1])
+    q, (keys, keys_cast) = _queries(products[0]), _keys(products[1])
     q_shape, k_shape, w_shape = val_shape(q), val_shape(keys), val_shape(weights)
     _require(q_shape is not None and len(q_shape) == 4 and tuple(q_shape[:2]) == tuple(x_shape[:2]), q,
              f"the queries {q_shape} are not [B, S, H, D] of the scores {x_shape}")  # fmt: skip
     _require(k_shape is not None and len(k_shape) == 3 and k_shape[0] == x_shape[0] and k_shape[1] == x_shape[2]
              and k_shape[2] == q_shape[3], keys, f"the keys {k_shape} are not [B, T, D] for queries {q_shape}")  # fmt: skip
     _require(w_shape == tuple(q_shape[:3]), weights, f"the weights {w_shape} are not [B, S, H] of the queries {q_shape}")
-    return {"q": q, "k": keys, "weights": weights, "mask": mask, "scale": scale, "weight_scale": weight_scale, "topk": k}
+    return {"q": q, "k": keys, "k_cast": keys_cast, "weights": weights, "mask": mask, "scale": scale,
+            "weight_scale": weight_scale, "topk": k}  # fmt: skip
 
 
 def _fold_and(scatter: torch.fx.Node, keep: torch.fx.Node, mask: torch.fx.Node | None, graph: torch.fx.Graph) -> None:
@@ -225,9 +242,22 @@ def fuse_dsa_topk_masks(graph: torch.fx.Graph) -> list[Site]:
             sites.append(site)
             continue
         args = tuple(found[name] for name in ("q", "k", "weights", "mask", "scale", "weight_scale", "topk"))
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        if found["k_cast"] is not None:
+            vals[1] = vals[1].to(found["k_cast"])
+        try:  # the op's argument checks (its fake function), before the graph changes
+            keep_val = op(*vals)
+        except ValueError as err:
+            site.reason, site.stopped_at, site.chain = f"the fused op does not take this site: {err}", topk.name, chain(topk, topk)
+            sites.append(site)
+            continue
         with graph.inserting_before(scatter):
+            if found["k_cast"] is not None:
+                cast = graph.call_function(torch.ops.prims.convert_element_type.default, (args[1], found["k_cast"]))
+                cast.meta["val"] = vals[1]
+                args = (args[0], cast, *args[2:])
             keep = graph.call_function(op, args)
-            keep.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+            keep.meta["val"] = keep_val
             not_kept = graph.call_function(aten.bitwise_not.default, (keep,))
             not_kept.meta["val"] = ~keep.meta["val"]
         scatter.replace_all_uses_with(not_kept)

@@ -77,10 +77,28 @@ def _activation_key(x: torch.fx.Node) -> tuple:
     return (x, None)
 
 
-def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = ()) -> tuple[list[int], int]:
+def _group_reason(x: torch.fx.Node, members) -> str | None:
+    """merged_linear's argument rules on the group's fake values: x [M, K] and weights [N_i, K] of
+    one float dtype, x's or one that widens exactly to it, on x's device; else why not."""
+    x_val = x.meta.get("val")
+    if not isinstance(x_val, torch.Tensor) or x_val.dim() != 2 or not x_val.is_floating_point():
+        what = f"{x_val.dtype} {tuple(x_val.shape)}" if isinstance(x_val, torch.Tensor) else repr(x_val)
+        return f"the activation {x.name} is {what}, not a 2-D float tensor"
+    for weight in (w for _, w in members):
+        val = weight.meta["val"]
+        if val.dtype != x_val.dtype and (val.dtype, x_val.dtype) not in _WIDENINGS:
+            return f"{weight.name} is {val.dtype} and {x.name} {x_val.dtype}: the GEMM reads its weights in x's dtype or one that widens to it"
+        if val.device != x_val.device:
+            return f"{weight.name} is on {val.device} and {x.name} on {x_val.device}"
+    return None
+
+
+def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = (),
+                      declined: list | None = None) -> tuple[list[int], int]:  # fmt: skip
     """Merge each group of two or more projections of one activation, and make each lone projection
     on a device in ``single_devices`` the op with one weight; returns (the merged group sizes, the
-    number of lone projections made ops)."""
+    number of lone projections made ops). A group the op cannot take stays as it is; with
+    ``declined``, each such group appends (its first GEMM, why) there."""
     groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.mm.default:
@@ -95,6 +113,11 @@ def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = (
         if (len(members) < 2 and not single) or len(dtypes) != 1:
             continue
         first, x = members[0][0], members[0][0].args[0]
+        reason = _group_reason(x, members)
+        if reason is not None:
+            if declined is not None:
+                declined.append((first, reason))
+            continue
         weights = [w for _, w in members]
         with graph.inserting_before(first):
             out = graph.call_function(torch.ops.fusion_compiler.merged_linear.default, (x, weights))

@@ -5,8 +5,9 @@ decode_attention site per attention layer, matched; the logits equal eager's wit
 rounding. MiniMax and Qwen3.5's full attention repeat the cache. DeepSeek's expanded MLA cache
 (every head, G = 1, q/k 192 wide and v 128) is not a site on CPU: Inductor decomposes an SDPA
 whose q and v widths differ into its math there; on CUDA it is a cuDNN SDPA op, a site (the H200
-decode bench reports it). Near misses must stay SDPA: a per-head mask, a causal single query;
-prefill (several queries) is not a site at all.
+decode bench reports it). Near misses must stay SDPA: a per-head mask, a causal single query, a
+float64 attention (the kernel takes fp16 / bf16 / fp32); prefill (several queries) is not a site
+at all.
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ def test_a_one_row_mask_fuses_and_equals_sdpa():
     [
         (_Attention(), _inputs(mask_heads=4), "per head or per query"),
         (_Attention(is_causal=True), _inputs()[:3] + (None,), "is_causal"),
+        # The op's own argument checks, before the rewrite: a dtype its kernel cannot take.
+        (_Attention(), tuple(t.double() if t.is_floating_point() else t for t in _inputs()),
+         "the fused op does not take this site: q dtype torch.float64 not supported"),
     ],
-    ids=["per_head_mask", "causal_single_query"],
+    ids=["per_head_mask", "causal_single_query", "float64"],
 )
 def test_near_misses_stay_sdpa_with_a_reason(module, inputs, reason):
     report, out, want = _compile(module, *inputs)

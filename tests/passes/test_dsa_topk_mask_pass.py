@@ -5,8 +5,10 @@ expects one dsa_topk_mask site per indexer). The miniature repeats the indexer t
 (fp32 inputs, so no near ties): the compiled mask equals eager's bit for bit, with a bool mask,
 an additive one and none, and with the batch-of-one matmuls spelled as Inductor's GPU graph
 spells them (``mm`` between squeezes: HF's code at batch 1 on CUDA). Near misses stay unfused with their reason: the top-k values read
-too, relu after the head reduction, keys reshaped instead of transposed. A top-k whose indices
-are gathered (routing, sparse attention) is no site.
+too, relu after the head reduction, keys reshaped instead of transposed; so does a site the
+op's argument checks refuse (forced), with the op's words. A float64 indexer fuses on the fp32
+values its ``.float()`` makes. A top-k whose indices are gathered (routing, sparse attention)
+is no site.
 """
 
 from __future__ import annotations
@@ -111,6 +113,35 @@ def test_near_misses_are_reported_with_their_reason(kwargs, reason):
     # --explain's chain runs from the top-k to the node where matching stopped, marked.
     assert any(miss.stopped_at in line and "diverged here" in line for line in miss.chain), miss.chain
     torch.testing.assert_close(got, want)
+
+
+def test_a_float64_indexer_fuses_on_its_fp32_casts():
+    """In a float64 model HF's ``q.float()`` / ``k.float()`` round down to fp32: the op reads those
+    fp32 tensors, as the model's own products do, and the mask equals eager's."""
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in _inputs())
+    backend = fc.FusionBackend(fc.FusionConfig())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(_indexer_tail, backend=backend)(*inputs)
+        want = _indexer_tail(*inputs)
+    assert backend.report.count(FAMILY, "bool_mask") == 1, [s.reason for s in backend.report.misses()]
+    assert torch.equal(got, want)
+
+
+def test_a_site_the_op_rejects_is_a_miss_with_the_ops_words(monkeypatch):
+    """The op's argument checks run on the site's fake values before the rewrite: what they raise
+    is the miss's reason, and the graph keeps HF's ops (no crash at compile)."""
+    from fusion_compiler.ops import dsa_topk_mask as op
+
+    def refuse(*args):
+        raise ValueError("topk 5 is too small for this kernel (forced)")
+
+    monkeypatch.setattr(op, "_validate", refuse)
+    report, got, want = _compile()
+    (miss,) = report.misses(FAMILY)
+    assert miss.reason == "the fused op does not take this site: topk 5 is too small for this kernel (forced)"
+    assert report.count(FAMILY) == 0
+    assert torch.equal(got, want)
 
 
 def test_gathered_top_k_indices_are_no_site():

@@ -111,3 +111,23 @@ def test_lone_projections_become_the_op_only_on_the_named_devices(single_devices
     assert len(casts) == (3 if singles else 4)  # x.double(), x.bfloat16(), wh.bfloat16() (+ wd.double())
     for out, ref in zip(gm(*args), _projections(*args), strict=True):
         torch.testing.assert_close(out, ref)
+
+
+def test_a_group_the_op_cannot_take_stays_and_says_why():
+    """merged_linear reads float GEMMs: two integer projections of one activation keep their
+    own mm nodes, and the group comes back with the op's rule it breaks."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusion_compiler.passes.merge_projections import merge_projections
+
+    def int_projections(x, wa, wb):
+        return x @ wa.t(), x @ wb.t()
+
+    args = (torch.randint(0, 5, (2, 32)), torch.randint(0, 5, (16, 32)), torch.randint(0, 5, (8, 32)))
+    gm = make_fx(int_projections, tracing_mode="fake")(*args)
+    declined = []
+    assert merge_projections(gm.graph, ("cpu",), declined) == ([], 0)
+    ((first, reason),) = declined
+    assert first.target is torch.ops.aten.mm.default
+    assert reason == "the activation x_1 is torch.int64 (2, 32), not a 2-D float tensor", reason
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]) == 2
