@@ -14,6 +14,14 @@ local ``x32.pow(2).mean(-1)`` that is reduced, and ``x32 * rsqrt(variance + eps)
 A pattern of the tail alone cannot hold a node with a user outside it, so the local side gets
 its own upcast (the same value; Inductor fuses each copy into its reader).
 
+Two spellings depend on layouts and devices, not on the math. A ``zeros_like`` of a transposed
+tensor is a permuted ``full`` or a plain one, as the strides of its input fall (HF's GDN output
+buffer at batch 1 and at batch 2): a constant's layout is not the model's math, so a permuted
+``full`` is the ``full`` of the permuted shape. Inductor unfuses a GEMM's bias add into its
+pointwise readers on the GPU only (``should_prefer_unfused_addmm``): on the CPU ``a + dt_bias``
+after a Linear stays inside an ``addmm`` (an fp32 GDN gate), so an ``addmm`` read only by
+pointwise ops is ``mm`` + ``add`` here too, the graph the GPU hands us.
+
 One rewrite is device-specific: on CUDA, Inductor turns every softmax into its online form
 (``prims.prepare_softmax_online`` giving max and sum) before our pass runs; a router's softmax
 (one whose probabilities feed a top-k) goes back to the plain amax/exp/sum form the patterns
@@ -57,6 +65,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _unsqueezed_put_values(node)
         elif node.target is prims.convert_element_type.default and len(node.users) > 1:
             changed += _own_upcast_before_collective(node)
+        elif node.target is aten.permute.default and getattr(node.args[0], "target", None) is aten.full.default:
+            changed += _permuted_full(node)
+        elif node.target is aten.addmm.default and not node.kwargs:
+            changed += _unfused_bias(node)
         elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
             # What masked_fill(x, m, float) decomposes to in a pattern trace; real graphs
             # already carry it as a 0-d full (Inductor's own rewrite).
@@ -203,6 +215,40 @@ def _plain_router_softmax(node: torch.fx.Node) -> int:
         graph.erase_node(dead)
     _negative_dims(amax)
     _negative_dims(summed)
+    return 1
+
+
+def _permuted_full(node: torch.fx.Node) -> int:
+    """permute(full(sizes, v), dims) -> full(sizes permuted, v): the same values."""
+    full, dims = node.args[0], node.args[1]
+    sizes = full.args[0]
+    if len(full.args) != 2 or not isinstance(sizes, (list, tuple)) or len(dims) != len(sizes):
+        return 0
+    node.target = aten.full.default
+    node.args = ([sizes[d] for d in dims], full.args[1])
+    node.kwargs = dict(full.kwargs)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = val.contiguous()
+    if not full.users:
+        node.graph.erase_node(full)
+    return 1
+
+
+def _unfused_bias(node: torch.fx.Node) -> int:
+    """addmm(bias, x, w) read only by pointwise ops -> add(mm(x, w), bias), as Inductor leaves it
+    on the GPU (where the add fuses into its readers)."""
+    readers = list(node.users)
+    pointwise = all(isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags
+                    for u in readers)  # fmt: skip
+    if len(node.args) != 3 or not readers or not pointwise:
+        return 0
+    bias, x, w = node.args
+    graph = node.graph
+    with graph.inserting_before(node):
+        mm = graph.call_function(aten.mm.default, (x, w))
+    mm.meta = dict(node.meta)
+    node.target, node.args = aten.add.Tensor, (mm, bias)
     return 1
 
 

@@ -174,13 +174,17 @@ VARIANTS = (
 # Example inputs (tiny, real structure: kv_rank a multiple of the 128 quant group)
 # ------------------------------------------------------------------------------------------
 
-DTYPE_COMBOS = ((torch.bfloat16,),)
+# bf16 models, and fp32 ones: where the activations are fp32, ``.float()`` and HF's norm upcasts
+# are no casts, another graph (the kernels take fp32 too).
+DTYPE_COMBOS = ((torch.bfloat16,), (torch.float32,))
 _T, _H, _ROT, _R, _D = 2, 2, 16, 128, 32
 
 
 def example_inputs(variant: Variant, combo) -> list | None:
     (act,) = combo
     hf = variant.params["rope"].endswith("_hf")
+    if variant.params["site"] == "kv" and variant.params["cache"] == "fp8" and act != torch.bfloat16:
+        return None  # fp8_ds_mla stores k_pe as bf16: a bf16 model's layout only
 
     def r(*shape, dtype=act):
         return torch.randn(*shape, dtype=dtype)
@@ -246,7 +250,16 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
         elif node.target is aten.amax.default:
             facts["quant_groups"].add(_val(node.args[0]).shape[-1])
     facts["angles_duplicated"] = all(_duplicated_halves(inputs.get(name)) for name in ("cos", "sin"))
+    facts["upcast_inputs"] = {name for name, node in inputs.items() if _is_upcast(node)}
     return facts
+
+
+def _is_upcast(node) -> bool:
+    """A cast of a bf16 / fp16 value to fp32 (``.float()``)."""
+    if getattr(node, "target", None) is not prims.convert_element_type.default:
+        return False
+    source = _val(node.args[0])
+    return source is not None and source.dtype in (torch.bfloat16, torch.float16) and node.args[1] == torch.float32
 
 
 _ELEMENTWISE = (
@@ -284,9 +297,17 @@ def _duplicated_halves(node) -> bool:
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     p = variant.params
+    # First: in a model of another dtype every other fact can look wrong (casts where none were).
+    for name, t in values.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in kv_ops.ACT_DTYPES:
+            return f"{name} is {t.dtype}; the fused prologue's kernels take bf16, fp16 or fp32"
     for name in ("eps", "ln_eps", "head_scale", "dim_scale"):
         if name in values and not isinstance(values[name], (int, float)):
             return f"{name} is a tensor, not a Python number (got {values[name]}); the fused op takes it as a constant"
+    if p["rotated"] in values["upcast_inputs"]:
+        # An fp32 model's spelling fitting a bf16 model's graph past its .float() (the bf16
+        # spelling, casts included, is the site; torch 2.11 folds some of those casts away).
+        return f"{p['rotated']} is a .float() of a narrower value: the fused op would read the upcast copy"
     reason = _rope_layout_reason(values, p["rope"])
     if reason:
         return reason
@@ -314,9 +335,6 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return f"the quant casts to {sorted(map(str, values['casts']))}, not float8_e4m3fn"
     if p["site"] == "kv" and p["cache"] == "fp8" and values["quant_groups"] != {LATENT_GROUP}:
         return f"latent quant groups {sorted(values['quant_groups'])}, the fp8_ds_mla layout needs {LATENT_GROUP}"
-    for name, t in values.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in kv_ops.ACT_DTYPES:
-            return f"{name} dtype {t.dtype} is not bf16/fp16/fp32"
     return None
 
 

@@ -236,7 +236,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts,):
             return f"the bias is {tuple(getattr(bias, 'shape', ()))}, not one value per expert [{experts}]"
         if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"the bias is {bias.dtype}, not a float type"
+            return f"the bias is {bias.dtype}; the routing kernel takes an fp32, bf16 or fp16 bias"
     return None
 
 

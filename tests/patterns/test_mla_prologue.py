@@ -361,12 +361,15 @@ def test_guard_declines_a_non_contiguous_cache():
         "kv_c": kv_c, "k_pe": k_pe, "weight": torch.ones(128), "cos": cos, "sin": sin, "eps": 1e-6,
         "cache": cache.transpose(0, 1), "slots": slots,
         "slice_steps": {2}, "split_sizes": [], "chunk_widths": set(), "casts": set(), "quant_groups": set(),
-        "angles_duplicated": False,
+        "angles_duplicated": False, "upcast_inputs": set(),
     }  # fmt: skip
     reason = mla_prologue.guard(values, variant)
     assert reason is not None and "not contiguous" in reason
     values["cache"] = cache
     assert mla_prologue.guard(values, variant) is None
+    # An fp32 spelling fitting a bf16 graph past its .float(): the rotated input is the upcast.
+    values["upcast_inputs"] = {"k_pe"}
+    assert "k_pe is a .float() of a narrower value" in mla_prologue.guard(values, variant)
 
 
 def test_inductor_lowering_replaces_every_site_with_the_canonical_decomposition():
