@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import fusion_compiler as fc
+from fusion_compiler._compat import TORCH_VERSION
 from fusion_compiler.model_adapters import get_adapter, make_decode_step
 from fusion_compiler.verify import relative_error
 
 # Qwen3.5 in two layers: one Gated DeltaNet layer, and the full-attention layer HF's cache needs.
 QWEN_LAYERS = ("linear_attention", "full_attention")
+# Stock CPU Inductor before 2.13 aborts compiling tiny Qwen3.5 (bench/NOTES.md): not ours.
+QWEN_COMPILES_ON_CPU = TORCH_VERSION >= (2, 13)
 
 
 @functools.cache
@@ -46,6 +50,8 @@ def _deepseek_fp32():
 
 
 def _qwen(dtype):
+    if not QWEN_COMPILES_ON_CPU:
+        pytest.skip("torch < 2.13 CPU Inductor crashes compiling tiny Qwen3.5 (stock too)")
     return _run("qwen3.5", dtype, QWEN_LAYERS)
 
 
@@ -80,7 +86,8 @@ def test_qwen35_float64_declines_each_site_saying_float64():
 
 def test_miss_reasons_are_sentences_not_matcher_dumps():
     """Every miss of these runs is one line about the model's code: no ``CallFunction(`` trees."""
-    for report, _ in (_deepseek_fp32(), _qwen(torch.float32), _qwen(torch.float64)):
+    qwen = [_qwen(torch.float32), _qwen(torch.float64)] if QWEN_COMPILES_ON_CPU else []
+    for report, _ in [_deepseek_fp32(), *qwen]:
         for miss in report.misses():
             assert "CallFunction(" not in miss.reason and "\n" not in miss.reason, miss.reason
             assert len(miss.reason) < 400, miss.reason
