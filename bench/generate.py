@@ -97,15 +97,16 @@ def region_launches(events) -> list[dict]:
     a graph shows both."""
     regions = []
     for event in sorted((e for e in events if e.name.startswith(_REGION)), key=lambda e: e.time_range.start):
-        counts = {"graph_launches": 0, "kernel_launches": 0, "memcpys": 0}
-        stack = list(event.cpu_children)
+        counts = {"graph_launches": 0, "kernel_launches": 0, "memcpys": 0, "launched_by": {}}
+        stack = [(child, event.name) for child in event.cpu_children]
         while stack:
-            child = stack.pop()
-            stack.extend(child.cpu_children)
+            child, parent = stack.pop()
+            stack.extend((grandchild, child.name) for grandchild in child.cpu_children)
             if child.name in _GRAPH_LAUNCHES:
                 counts["graph_launches"] += 1
             elif child.name in _KERNEL_LAUNCHES:
                 counts["kernel_launches"] += 1
+                counts["launched_by"][parent] = counts["launched_by"].get(parent, 0) + 1  # which op launched it
             elif child.name in _MEMCPYS:
                 counts["memcpys"] += 1
         regions.append(counts)
@@ -116,8 +117,10 @@ def capture_verdict(regions: list[dict]) -> dict:
     """Calls that only replayed graphs (captured), that captured and then replayed (recorded),
     and that launched kernels with no graph (uncaptured); loose kernel launches and memcpys."""
     verdict = {"calls": len(regions), "captured_calls": 0, "recorded_calls": 0, "uncaptured_calls": 0,
-               "loose_kernels": 0, "memcpys": 0}  # fmt: skip
+               "loose_kernels": 0, "memcpys": 0, "launched_by": {}}  # fmt: skip
     for r in regions:
+        for name, n in r.get("launched_by", {}).items():
+            verdict["launched_by"][name] = verdict["launched_by"].get(name, 0) + n
         if r["graph_launches"] == 0:
             verdict["uncaptured_calls"] += 1
         else:

@@ -215,6 +215,24 @@ def _count_kernels(driver, graph: ctypes.c_void_p) -> int | None:
     return kernels
 
 
+def _distinct_elements(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dims (stride 0 taken to size 1): the elements it holds."""
+    return t.as_strided([1 if st == 0 else n for n, st in zip(t.shape, t.stride())], t.stride(), t.storage_offset())
+
+
+def _static_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, what the graph reads) for an input copied in every call. A broadcast input (HF's
+    attention mask can be an ``expand``) keeps its strides: the buffer holds its distinct
+    elements, laid out as the source lays them, so the copy-in is a memcpy rather than a copy
+    kernel outside the graph, and the graph reads the buffer expanded to the strides it was
+    compiled for."""
+    buffer = torch.empty_like(_distinct_elements(t))
+    view = buffer.expand(t.shape)
+    if view.stride() != t.stride():  # a layout empty_like does not keep: copy it whole
+        buffer = view = torch.empty_like(t)
+    return buffer, view
+
+
 class CaptureError(RuntimeError):
     """strict=True and a step could not be captured in a CUDA graph (it would run uncaptured)."""
 
@@ -224,7 +242,7 @@ class _Bucket:
     rows: int
     args: list  # the static inputs the graph reads (None for an in-place input: the call's own)
     addresses: dict[int, int]  # in-place input -> data_ptr the graph reads
-    copied: set[int] = dataclasses.field(default_factory=set)  # inputs args holds a static copy of
+    copied: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # input -> its static buffer
     dirty_rows: int = 0  # rows of the static batch buffers that may hold a real row
     graph: torch.cuda.CUDAGraph | None = None
     outputs: object = None
@@ -319,9 +337,9 @@ class StepGraphs:
                 a = args[i]
                 static[i] = torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
                 static[i].fill_(-1 if i in self.plan.slots else 0)
-        copied = {i for i in self.copied if i in self._in_place()}
-        for i in copied:
-            static[i] = torch.empty_like(args[i])
+        copied = {}
+        for i in self.copied & set(self._in_place()):
+            copied[i], static[i] = _static_copy(args[i])
         addresses = {i: args[i].data_ptr() for i in self._in_place() if i not in copied}
         for i in addresses:
             # Read from each call's own arguments, never held here: a cache the caller drops is
@@ -341,8 +359,7 @@ class StepGraphs:
         for i in followed:
             bucket.addresses[i] = args[i].data_ptr()
         for i in copied:
-            bucket.args[i] = torch.empty_like(args[i])
-            bucket.copied.add(i)
+            bucket.copied[i], bucket.args[i] = _static_copy(args[i])
             del bucket.addresses[i]
         self.copied.update(copied)
         log.info("%s: %d-row step: inputs %s moved since its graph was made (written in place, followed: %s; "
@@ -360,8 +377,8 @@ class StepGraphs:
             buffer[:batch].copy_(args[i])
             if bucket.dirty_rows > batch:
                 buffer[batch : bucket.dirty_rows].fill_(-1 if i in self.plan.slots else 0)
-        for i in bucket.copied:
-            bucket.args[i].copy_(args[i])
+        for i, buffer in bucket.copied.items():
+            buffer.copy_(_distinct_elements(args[i]))
         bucket.dirty_rows = batch
         return [args[i] if i in bucket.addresses else a for i, a in enumerate(bucket.args)]
 

@@ -10,9 +10,11 @@ with a compileable cache such as `cache_implementation="static"`) then compiles 
 does not trace `Module._wrapped_call_impl` as a top-level frame, and the in-place compiled
 `_call_impl` it calls installs its own backend before any frame Dynamo traces. The in-place
 backend compiles every graph (checked on torch 2.13 with a tiny HF model and a counting outer
-backend: it saw no graph). So `generation_config.compile_config` is left alone: set to our
+backend: it saw no graph). So `generation_config.compile_config` is left alone (set to our
 backend it would change nothing, and HF would warn on every `generate()` with a DynamicCache
-that it skips "the compile_config you set".
+that it skips "the compile_config you set"), and HF's own compile is turned off
+(`generation_config.disable_compile`): it adds nothing but a second Dynamo context around every
+step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def compile_for_generate(model: torch.nn.Module, config: FusionConfig, **compile
                  ", ".join(f"{f} {sum(m.values())}" for f, m in config.expected.items()))
     backend = FusionBackend(config)
     model.compile(backend=backend, **compile_kwargs)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        # HF's own compile of __call__ would wrap ours and trace nothing, but its frames would
+        # still pass through a second Dynamo context on every step.
+        generation_config.disable_compile = True
     model.fusion_backend = backend
     model.fusion_report = backend.report
     return model

@@ -59,9 +59,12 @@ def test_capture_verdict_from_the_profile_tree():
         Event("aten::argmax", [Event("cudaLaunchKernel")]),  # generate's own loop: no region
     ]
     regions = bench.region_launches(events)
-    assert bench.capture_verdict(regions) == {
+    verdict = bench.capture_verdict(regions)
+    assert verdict.pop("launched_by") == {"CompiledFunction": 4}
+    assert verdict == {
         "calls": 4, "captured_calls": 1, "recorded_calls": 1, "uncaptured_calls": 2, "loose_kernels": 4, "memcpys": 2}  # fmt: skip
     calls = bench.split_calls(regions, new_tokens=4)
     assert calls["prefill"]["calls"] == 1 and calls["prefill"]["uncaptured_calls"] == 1
+    assert calls["decode"].pop("launched_by") == {"CompiledFunction": 2}
     assert calls["decode"] == {
         "calls": 3, "captured_calls": 1, "recorded_calls": 1, "uncaptured_calls": 1, "loose_kernels": 2, "memcpys": 1}  # fmt: skip

@@ -335,3 +335,18 @@ def test_without_slots_batch_inputs_are_written_in_place_not_copied(monkeypatch)
         graphs(*args)
         torch.testing.assert_close(cache[:, step], hidden)  # the caller's cache holds the token
     assert cache_i not in graphs.report()["copied_inputs"]
+
+
+def test_a_broadcast_input_is_copied_as_its_distinct_elements():
+    """HF's attention mask can be an expand: its static copy keeps the strides the graph was
+    compiled for, and the copy-in moves only the distinct elements (a memcpy on CUDA, not a
+    copy kernel launched outside the graph)."""
+    source = torch.randn(1, 1, 3, 5).expand(4, 1, 3, 5)
+    buffer, view = cudagraph._static_copy(source)
+    assert view.stride() == source.stride() and buffer.shape == (1, 1, 3, 5)
+    buffer.copy_(cudagraph._distinct_elements(source))
+    assert torch.equal(view, source)
+    dense = torch.randn(6, 4).t()  # a transposed input keeps its layout too
+    buffer, view = cudagraph._static_copy(dense)
+    buffer.copy_(cudagraph._distinct_elements(dense))
+    assert view.stride() == dense.stride() and torch.equal(view, dense)
