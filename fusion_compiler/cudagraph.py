@@ -136,6 +136,12 @@ _ALIASING = frozenset({
 })  # fmt: skip
 
 
+# Python's in-place operators (``x &= m`` is operator.iand); operator.and_ / or_ are not in place.
+_IN_PLACE_OPERATORS = frozenset(
+    {"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift", "iand", "ior", "ixor"}
+)
+
+
 def _target_name(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, str):
@@ -147,16 +153,19 @@ def _target_name(node: torch.fx.Node) -> str:
 
 def _writes(node: torch.fx.Node, value: torch.fx.Node) -> bool:
     """Whether ``node`` writes ``value`` in place: a method or function named ``*_`` taking it
-    first (``index_copy_``, ``add_``, ``copy_``), a ``setitem`` into it, or an op whose schema
-    marks that argument written."""
+    first (``index_copy_``, ``add_``, ``copy_``), a ``setitem`` into it or an in-place Python
+    operator (``&=``, not ``&``), or an op whose schema marks that argument written."""
     if node.op not in ("call_method", "call_function") or not node.args:
         return False
     if isinstance(node.target, torch._ops.OpOverload):
         written = [a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments]
         return any(w and i < len(node.args) and node.args[i] is value for i, w in enumerate(written))
     name = _target_name(node)
-    first = node.args[0] is value
-    return first and (name == "setitem" or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"))
+    if node.args[0] is not value:
+        return False
+    if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `&`: not in place
+        return name == "setitem" or name in _IN_PLACE_OPERATORS
+    return name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
 
 
 def _written_in_place(placeholder: torch.fx.Node) -> bool:
@@ -233,6 +242,10 @@ def _static_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return buffer, view
 
 
+# A written input followed this often is moving on every call, not once per generate().
+_FOLLOWS_BEFORE_WARNING = 3
+
+
 class CaptureError(RuntimeError):
     """strict=True and a step could not be captured in a CUDA graph (it would run uncaptured)."""
 
@@ -263,6 +276,7 @@ class StepGraphs:
         self._buckets: dict[tuple, _Bucket] = {}
         self._retired: list[torch.cuda.CUDAGraph] = []  # replaced graphs, kept until a successor is captured
         self.copied: set[int] = set()  # non-batch inputs known to move: copied into static buffers
+        self._follows: dict[int, int] = {}  # written input -> times followed to a new address
         self.capture_error: str | None = None
         self.warmup_calls = 0
         self.uncaptured_calls = 0
@@ -358,6 +372,10 @@ class StepGraphs:
         copied = [i for i in moved if i not in self.plan.mutated]
         for i in followed:
             bucket.addresses[i] = args[i].data_ptr()
+            self._follows[i] = self._follows.get(i, 0) + 1
+            if self._follows[i] == _FOLLOWS_BEFORE_WARNING:
+                log.warning("%s: input %d, which the step writes in place, has moved %d times: every such call "
+                            "captures the step again (pass a tensor that stays put)", self.name, i, self._follows[i])
         for i in copied:
             bucket.copied[i], bucket.args[i] = _static_copy(args[i])
             del bucket.addresses[i]

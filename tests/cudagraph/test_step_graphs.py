@@ -231,11 +231,13 @@ def test_a_read_only_input_that_moves_is_copied_from_then_on(monkeypatch):
 
 
 class WritesThroughViews(torch.nn.Module):
-    def forward(self, x, state, counter, table):
+    def forward(self, x, state, counter, table, mask, flags):
         state[:, 1:] = x[:, None]  # setitem into the input
         counter.add_(1)
         view = table.view(-1)
-        return (view * 2).sum() + state.sum() + counter
+        keep = mask & (x > 0)  # operator.and_: a new tensor (DeepSeek V3.2's mask & ~index_mask)
+        flags |= x > 1  # operator.ior: in place
+        return (view * 2).sum() + state.sum() + counter + keep.sum() + flags.sum()
 
 
 def test_inputs_written_in_place_are_read_off_the_graph():
@@ -246,11 +248,14 @@ def test_inputs_written_in_place_are_read_off_the_graph():
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(WritesThroughViews(), backend=backend)(torch.randn(2), torch.zeros(2, 3), torch.zeros(()), torch.ones(2, 2))
+    args = (torch.randn(2), torch.zeros(2, 3), torch.zeros(()), torch.ones(2, 2), torch.ones(2, dtype=torch.bool),
+            torch.zeros(2, dtype=torch.bool))  # fmt: skip
+    torch.compile(WritesThroughViews(), backend=backend)(*args)
     gm = seen["gm"]
-    plan = cudagraph.plan_inputs(gm, [None] * 4, DEFAULT_SLOT_INPUTS)
+    plan = cudagraph.plan_inputs(gm, [None] * len(args), DEFAULT_SLOT_INPUTS)
     names = _names(gm)
-    assert sorted(names[i] for i in plan.mutated) == sorted(n for n in names if n.startswith(("l_state", "l_counter")))
+    written = sorted(n for n in names if n.startswith(("l_state", "l_counter", "l_flags")))
+    assert sorted(names[i] for i in plan.mutated) == written
 
 
 def test_a_failed_capture_is_counted_and_strict_raises(traced, monkeypatch):
