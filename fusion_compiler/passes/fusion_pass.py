@@ -86,9 +86,11 @@ class FusionPass(_compat.CustomGraphPass):
             if getattr(self.config, name):
                 graph_report.sites.extend(GRAPH_PASS_RUNS[name](graph))
         if self.config.merge_projections:
+            declined: list = []
             graph_report.merged_projections, graph_report.skinny_projections = merge_projections(
-                graph, ("cuda",) if self.config.skinny_gemm else ()
+                graph, ("cuda",) if self.config.skinny_gemm else (), declined
             )
+            graph_report.declined_merges = [(mm.name, module_path(mm), why) for mm, why in declined]
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -149,6 +151,8 @@ class FusionPass(_compat.CustomGraphPass):
         if graph_report.folded_tp_divisions:
             log.info("  folded the all-reduced variance division into %d gqa prologue(s), fused %d local-mean pair(s)",
                      graph_report.folded_tp_divisions, graph_report.fused_tp_variances)
+        for anchor, module, why in graph_report.declined_merges:
+            log.info("  projections of %s (%s) left unmerged: %s", module or "?", anchor, why)
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():

@@ -43,6 +43,8 @@ class GraphReport:
     merged_projections: list[int] = dataclasses.field(default_factory=list)
     # Lone projections made the op with one weight (its small-M path is the skinny GEMM kernel).
     skinny_projections: int = 0
+    # (first GEMM, module, why) of each group of projections merged_linear could not take.
+    declined_merges: list[tuple[str, str | None, str]] = dataclasses.field(default_factory=list)
     # Where the graph was compiled when not by our own backend, e.g. "vllm 0.33.0, compile
     # range [1, 8]" (integrations/vllm.py); empty for our backend.
     pipeline: str = ""
@@ -169,6 +171,8 @@ class MatchReport:
             "folded_rope_gathers": self.folded_rope_gathers(),
             "merged_projections": self.merged_projections(),
             "skinny_projections": self.skinny_projections(),
+            "declined_merges": [{"anchor": a, "module": m, "reason": why} for g in self.graphs
+                                for a, m, why in g.declined_merges],  # fmt: skip
             "folded_tp_divisions": self.folded_tp_divisions(),
             "fused_tp_variances": self.fused_tp_variances(),
             "matches": self.per_variant(),
@@ -189,6 +193,9 @@ class MatchReport:
                          f"{len(self.merged_projections())} (groups of {self.merged_projections()})")
         if self.skinny_projections():
             lines.append(f"  {self.skinny_projections()} lone projection(s) on the skinny GEMM path at small M")
+        for g in self.graphs:
+            for anchor, module, why in g.declined_merges:
+                lines.append(f"  projections of {module or '?'} ({anchor}) left unmerged: {why}")
         if self.folded_rope_gathers():
             lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
         if self.folded_tp_divisions():

@@ -131,3 +131,23 @@ def test_a_group_the_op_cannot_take_stays_and_says_why():
     assert first.target is torch.ops.aten.mm.default
     assert reason == "the activation x_1 is torch.int64 (2, 32), not a 2-D float tensor", reason
     assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]) == 2
+
+
+def test_a_declined_group_is_in_the_report():
+    """The pass hands the group's reason to the match report: never left apart silently."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import fusion_compiler as fc
+
+    def int_projections(x, wa, wb):
+        return x @ wa.t(), x @ wb.t()
+
+    args = (torch.randint(0, 5, (2, 32)), torch.randint(0, 5, (16, 32)), torch.randint(0, 5, (8, 32)))
+    gm = make_fx(int_projections, tracing_mode="fake")(*args)
+    off = fc.FusionConfig(default_lowering="off", dsa_topk_mask=False, decode_attention=False)
+    fusion_pass = fc.FusionPass(off)
+    fusion_pass(gm.graph)
+    ((anchor, _, reason),) = fusion_pass.report.graphs[0].declined_merges
+    assert "not a 2-D float tensor" in reason
+    assert f"({anchor}) left unmerged: the activation" in fusion_pass.report.format()
+    assert fusion_pass.report.to_dict()["declined_merges"][0]["reason"] == reason
