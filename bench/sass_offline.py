@@ -12,10 +12,15 @@ and the counts mislead), and ``triton.compile`` targets ("cuda", 90, 32). The Tr
 
     python bench/sass_offline.py gdn [--tokens 1] [--conv-tile] [--sass out.sass]
     python bench/sass_offline.py router --model minimax-m2.5 [--knob _MAXNREG=128] [--sass out.sass]
+    python bench/sass_offline.py gqa --model qwen3.5 [--tokens 1] [--hf] [--fp-fusion on] [--ptx out.ptx]
     python bench/sass_offline.py check     # the shipped launches compile (tests/bench runs it)
 
 prints the launch's grid, registers / stack / shared memory, and instruction counts by class
-(all, BAR, SHFL, STS, LDS, LDG, STG, ATOM, MEMBAR); ``--sass`` writes the listing.
+(all, BAR, SHFL, STS, LDS, LDG, STG, ATOM, MEMBAR); ``--sass`` writes the listing, ``--llir`` and
+``--ptx`` Triton's LLVM IR and PTX. For the GQA prologue also the PTX's half-precision FMAs
+(``half_fmas``): with HF's rounded RoPE (``--hf``) any one is a product fused unrounded into a
+sum, which eager's bf16 ops round (``kernels/gqa_prologue.py`` ``_rotated``); ``--fp-fusion``
+overrides the launch's ``enable_fp_fusion`` (``on`` shows the contraction those launches turn off).
 """
 
 from __future__ import annotations
@@ -174,15 +179,58 @@ def logits_route_launch(model: str, tokens: int) -> _Recorder:
     return captured_launch(K, "_moe_route_kernel", lambda: K.moe_route_fwd(named, weights, ids))
 
 
+# name: (q heads, kv heads, head_dim, rotary_dim, full-width norm, q inside [q | gate] head rows)
+GQA_MODELS = {
+    "minimax-m2.5": (48, 8, 128, 64, True, False),
+    "qwen3.5": (32, 2, 256, 64, False, True),
+}
+
+
+def gqa_launch(model: str, tokens: int, hf: bool) -> _Recorder:
+    """gqa_prologue_fwd at the model's real widths. ``hf``: HF's path (heads-first static bf16
+    cache, per-token bf16 cos / sin rows, each RoPE product and sum rounded; MiniMax's norm also
+    rounds ``x * rstd``); else the serving path (paged bf16 cache, fp32 table at positions)."""
+    from fusion_compiler.kernels import gqa_prologue as K
+
+    heads, kv_heads, d, rot, full_width, gated = GQA_MODELS[model]
+    bf16 = torch.bfloat16
+    q_width = (2 if gated else 1) * heads * d
+    qkv = torch.randn(tokens, q_width + 2 * kv_heads * d, dtype=bf16)
+    q = qkv[:, :q_width].view(tokens, heads, -1)[..., :d]
+    k = qkv[:, q_width : q_width + kv_heads * d].view(tokens, kv_heads, d)
+    v = qkv[:, q_width + kv_heads * d :].view(tokens, kv_heads, d)
+    widths = (heads * d, kv_heads * d) if full_width else (d, d)
+    q_w, k_w = (torch.randn(w, dtype=bf16) for w in widths)
+    blocks = tokens + 1
+    cache_shape = (blocks, kv_heads, 16, d) if hf else (blocks, 16, kv_heads, d)
+    k_cache, v_cache = torch.empty(cache_shape, dtype=bf16), torch.empty(cache_shape, dtype=bf16)
+    if hf:
+        cos, sin, positions = torch.rand(tokens, rot // 2, dtype=bf16), torch.rand(tokens, rot // 2, dtype=bf16), None
+    else:
+        table = torch.rand(64, rot)
+        cos, sin, positions = table[:, : rot // 2], table[:, rot // 2 :], torch.arange(tokens) % 64
+    q_out = torch.empty(tokens, heads, d, dtype=bf16)
+    args = (q, k, v, q_w, k_w, 1e-6, 1.0 if gated else 0.0, full_width, cos, sin, positions, k_cache, v_cache,
+            torch.arange(tokens), 1.0, 1.0, hf, None, None, 1.0, hf and full_width, hf, q_out)  # fmt: skip
+    return captured_launch(K, "_gqa_prologue_kernel", lambda: K.gqa_prologue_fwd(*args))
+
+
+def half_fmas(compiled) -> list[str]:
+    """The PTX's half-precision FMA instructions (``fma.rn.bf16``, ``fma.rn.f16``, their x2 forms)."""
+    return re.findall(r"^\s*(fma\.\S*(?:bf16|f16)\S*\s.*?);?$", compiled.asm["ptx"], re.M)
+
+
 def check_shipped() -> int:
-    """Compile the shipped launches of the GDN and routing kernels at the three models' widths
-    for sm_90 (the GDN step at 1 and 64 sequences, both conv forms; each model's router at 1, 2
-    and 64 tokens, both of its kernels, and its routing from logits); one line each. Returns the number that failed. The CPU tests run the kernels in
+    """Compile the shipped launches of the GDN, routing and GQA prologue kernels at the models'
+    widths for sm_90 (the GDN step at 1 and 64 sequences, both conv forms; each model's router at
+    1, 2 and 64 tokens, both of its kernels, and its routing from logits; MiniMax's and Qwen3.5's
+    prologue at 1 and 4096 tokens, serving and HF paths, an HF one failing if its PTX has a
+    half-precision FMA); one line each. Returns the number that failed. The CPU tests run the kernels in
     Triton's interpreter, which executes the Python and so never compiles a branch it does not
     take: session 15 lost a device call to an int64 branch compiled for int32 keys."""
     from moe_router_check import MODELS
 
-    from fusion_compiler.kernels import gdn_decode, moe_route
+    from fusion_compiler.kernels import gdn_decode, gqa_prologue, moe_route
 
     cases = [(f"gdn tokens={t}{' tile' if tile else ''}", gdn_decode._gdn_decode_kernel,
               lambda t=t, tile=tile: {"_gdn_decode_kernel": gdn_launch(t, tile)})
@@ -192,13 +240,20 @@ def check_shipped() -> int:
               for m in MODELS for t in (1, 2, 64) for name in ROUTER_KERNELS]  # fmt: skip
     cases += [(f"route from logits {m} tokens=3", moe_route._moe_route_kernel,
                lambda m=m: {"_moe_route_kernel": logits_route_launch(m, 3)}) for m in MODELS]  # fmt: skip
+    cases += [(f"gqa {m} tokens={t} {'hf' if hf else 'serving'}", gqa_prologue._gqa_prologue_kernel,
+               lambda m=m, t=t, hf=hf: {"_gqa_prologue_kernel": gqa_launch(m, t, hf)})
+              for m in GQA_MODELS for t in (1, 4096) for hf in (False, True)]  # fmt: skip
     failures = 0
     for label, kernel, launch in cases:
         recorder = next(iter(launch().values()))
         if recorder.args is None:
             continue  # this kernel is not launched at this size
         try:
-            result = summary(compile_sm90(kernel, recorder.args, recorder.kwargs))
+            compiled = compile_sm90(kernel, recorder.args, recorder.kwargs)
+            result = summary(compiled)
+            fused = half_fmas(compiled) if recorder.kwargs.get("ROUND_ROPE") else []
+            if fused:
+                raise RuntimeError(f"{len(fused)} half-precision FMAs fuse rounded RoPE products: {fused[0]}")
             print(f"ok    {label}: registers {result['registers']}, instructions {result['instructions']}", flush=True)
         except Exception as error:  # noqa: BLE001 - every failure is reported, then counted
             failures += 1
@@ -208,29 +263,44 @@ def check_shipped() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=("gdn", "router", "check"),
+    parser.add_argument("kernel", choices=("gdn", "router", "gqa", "check"),
                         help="check: compile every shipped launch (check_shipped); exit status 1 if any fails")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (_CONV_TAPS False; gdn_decode-7)")
-    parser.add_argument("--model", default="deepseek-v3.2", help="router: deepseek-v3.2, minimax-m2.5 or qwen3.5")
+    parser.add_argument("--model", help="router: deepseek-v3.2 (default), minimax-m2.5 or qwen3.5; gqa: minimax-m2.5 "
+                                            "(default) or qwen3.5")  # fmt: skip
     parser.add_argument("--knob", action="append", default=[], help="router: NAME=VALUE (int or str), a kernels/moe_route.py knob")
+    parser.add_argument("--hf", action="store_true", help="gqa: HF's layout and roundings (gqa_launch)")
+    parser.add_argument("--fp-fusion", choices=("on", "off"), help="gqa: override the launch's enable_fp_fusion")
     parser.add_argument("--sass", help="write the SASS listing here")
+    parser.add_argument("--llir", help="write Triton's LLVM IR here")
+    parser.add_argument("--ptx", help="write the PTX here")
     args = parser.parse_args()
     if args.kernel == "check":
         sys.exit(1 if check_shipped() else 0)
     if args.kernel == "gdn":
         launch = gdn_launch(args.tokens, args.conv_tile)
         from fusion_compiler.kernels.gdn_decode import _gdn_decode_kernel as kernel
+    elif args.kernel == "gqa":
+        launch = gqa_launch(args.model or "minimax-m2.5", args.tokens, args.hf)
+        if args.fp_fusion:
+            launch.kwargs = {**launch.kwargs, "enable_fp_fusion": args.fp_fusion == "on"}
+        from fusion_compiler.kernels.gqa_prologue import _gqa_prologue_kernel as kernel
     else:
         knobs = {k: _knob_value(v) for k, v in (item.split("=", 1) for item in args.knob)}
-        launch = router_launch(args.model, args.tokens, knobs)
+        launch = router_launch(args.model or "deepseek-v3.2", args.tokens, knobs)
         from fusion_compiler.kernels.moe_route import _router_gemm_kernel as kernel
-    result = summary(compile_sm90(kernel, launch.args, launch.kwargs))
-    if args.sass:
-        with open(args.sass, "w") as f:
-            f.write(result["sass"])
+    compiled = compile_sm90(kernel, launch.args, launch.kwargs)
+    result = summary(compiled)
+    for path, text in ((args.sass, result["sass"]), (args.llir, compiled.asm["llir"]), (args.ptx, compiled.asm["ptx"])):
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
     print(f"grid {tuple(launch.grid)}, num_warps {launch.kwargs.get('num_warps')}")
     print(", ".join(f"{k} {v}" for k, v in result.items() if k != "sass"))
+    if args.kernel == "gqa":
+        fused = half_fmas(compiled)
+        print(f"half-precision FMAs in the PTX: {len(fused)}" + "".join(f"\n    {line}" for line in fused[:8]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ addressing with the launcher's (block, row, head) strides. cos / sin rows (any f
 row stride) are read at ``positions[t]``, or at row ``t % rows`` without positions (HF's [1, S]
 position_ids broadcast over the batch). Rounding follows the op's flags: ``ROUND_NORMALIZED``
 rounds ``x * rstd`` before the weight multiply, ``ROUND_ROPE`` each RoPE product and sum (HF's
-bf16 ops), so the values match eager's bits, not only its tolerance.
+bf16 ops; those launches compile without FMA contraction, ``_rotated``), so the values match
+eager's bits, not only its tolerance.
 
 History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
 tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
@@ -44,7 +45,7 @@ import triton.language as tl
 from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-13"
+KERNEL_VERSION = "gqa_prologue-14"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
@@ -107,8 +108,11 @@ def _normed(x, W, w_index, mask, rstd, weight_offset, OUT_DTYPE: tl.constexpr, R
 @triton.jit
 def _rotated(n1, n2, c, s, OUT_DTYPE: tl.constexpr, ROUND_ROPE: tl.constexpr):
     """The NeoX pair (n1, n2) rotated by (c, s), rounded to OUT_DTYPE: once, or with ROUND_ROPE
-    every product and sum (HF's ``x * cos + rotate_half(x) * sin`` on OUT_DTYPE tensors; each
-    rounding also keeps the compiler from contracting a product into an FMA)."""
+    every product and sum (HF's ``x * cos + rotate_half(x) * sin`` on OUT_DTYPE tensors). The
+    roundings alone do not survive compilation: LLVM narrows each ``fptrunc(fmul(fpext a, fpext
+    b))`` of half-precision values to a half-precision multiply (exact: fp32 holds the product)
+    and the NVPTX backend then contracts multiply and subtract into ``fma.rn.bf16``, one product
+    unrounded; so ROUND_ROPE launches compile without FMA contraction (``gqa_prologue_fwd``)."""
     if ROUND_ROPE:
         out1 = round_trip(round_trip(n1 * c, OUT_DTYPE) - round_trip(n2 * s, OUT_DTYPE), OUT_DTYPE)
         out2 = round_trip(round_trip(n2 * c, OUT_DTYPE) + round_trip(n1 * s, OUT_DTYPE), OUT_DTYPE)
@@ -351,6 +355,10 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
             KV_ONE_PROGRAM=_KV_ONE_PROGRAM, ROLES_RUN=_ROLES_RUN, ROUND_NORMALIZED=bool(round_normalized),
             ROUND_ROPE=bool(round_rope_products), num_warps=num_warps_for(hb_q * d_pad),
+            # HF's rounded RoPE products: no FMA may fuse one into the sum (``_rotated``). The
+            # serving layout (fp32 RoPE, rounded once) keeps contraction: at 4096 tokens the
+            # kernel is bound by instruction issue (bench/NOTES.md, session 13).
+            enable_fp_fusion=not round_rope_products,
         )
 
     launch_on_device(q, _launch)

@@ -213,7 +213,7 @@ def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-13"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-14"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
