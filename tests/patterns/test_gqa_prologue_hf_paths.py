@@ -6,7 +6,8 @@
   and HF's RoPE rounds every bf16 product; the op rounds there too. HF's prologue code compiled
   alone gives eager's bits; the whole model decodes eager's greedy ids for 16 tokens, and its
   teacher-forced logits stay within 2e-2 of eager's at every step (rounding once, this run's last
-  step was 1.1e-1 off: a near tie in the router flipped).
+  step was 1.1e-1 off: a near tie in the router flipped). Both on torch >= 2.13 only
+  (``STOCK_KEEPS_EAGER_IDS``).
 - HF's default ``MiniMaxM2Config`` (no ``partial_rotary_factor``: RoPE over the whole head) fuses.
 - fp32 fuses (HF's MiniMax prologue code; the whole Qwen3.5 model); float64 is a reported miss
   that says why.
@@ -26,6 +27,15 @@ from gqa_fixtures import assert_hf_caches
 
 FAMILY = "gqa_prologue"
 BATCH, PROMPT, STEPS = 8, 16, 16
+# Whether eager's greedy ids are a bar for this decode's compiles at all. Torch 2.11.0's Inductor
+# leaves them with no pass of ours: stock ``torch.compile`` on CPU takes other ids from step 2 (23
+# of 128) and its teacher-forced logits are 6.0e-2 off at step 2, the step where ours are 6.1e-2
+# off. The joint graph's convert folding (``_compat.JOINT_GRAPH_DROPS_ROUND_TRIPS``) is not how:
+# it matches nothing in this model's graph. Stock Inductor keeps eager's ids on 2.13; 2.12 is
+# unmeasured, so it skips too.
+STOCK_KEEPS_EAGER_IDS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+STOCK_LEAVES_EAGER = ("torch < 2.13: stock Inductor alone leaves eager's greedy ids on this decode (2.11.0: from "
+                      "step 2, teacher-forced 6.0e-2 at step 2), so eager's bits are no bar for a compile here")
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,11 +166,13 @@ def test_no_position_ids_at_batch_8_fuse_the_layer_s_prologue():
     assert report.per_variant()["minimax.hf"] == 1
 
 
+@pytest.mark.skipif(not STOCK_KEEPS_EAGER_IDS, reason=STOCK_LEAVES_EAGER)
 def test_greedy_ids_equal_eager_s_over_16_tokens():
     run = greedy_run()
     assert torch.equal(run["ids"], run["eager_ids"]), (run["ids"] != run["eager_ids"]).nonzero().tolist()
 
 
+@pytest.mark.skipif(not STOCK_KEEPS_EAGER_IDS, reason=STOCK_LEAVES_EAGER)
 def test_teacher_forced_logits_within_2e_2_of_eager_at_every_step():
     errors = greedy_run()["errors"]
     assert max(errors) < 2e-2, [f"{e:.1e}" for e in errors]
