@@ -225,8 +225,8 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
 
     real, widened = fusion_pass.merge_projections, []
 
-    def cpu_too(graph, single_devices):
-        result = real(graph, single_devices + ("cpu",))
+    def cpu_too(graph, single_devices, declined=None):
+        result = real(graph, single_devices + ("cpu",), declined)
         for node in graph.nodes:
             if node.target is torch.ops.fusion_compiler.merged_linear.default:
                 x, weights = node.args
