@@ -357,7 +357,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             ROUND_ROPE=bool(round_rope_products), num_warps=num_warps_for(hb_q * d_pad),
             # HF's rounded RoPE products: no FMA may fuse one into the sum (``_rotated``). The
             # serving layout (fp32 RoPE, rounded once) keeps contraction: at 4096 tokens the
-            # kernel is bound by instruction issue (bench/NOTES.md, session 13).
+            # kernel is bound by instruction issue (bench/NOTES.md, gqa_prologue-11).
             enable_fp_fusion=not round_rope_products,
         )
 
