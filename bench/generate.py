@@ -51,6 +51,7 @@ import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.model_adapters import get_adapter  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
 
 LAYERS = {"deepseek-v3.2": 2, "minimax-m2.5": 2, "qwen3.5": 4}  # Qwen3.5: 3 GDN + 1 full attention
 ROUTES_AT_BATCH_1 = ("ours_forward", "ours_fc_compile")
@@ -74,14 +75,8 @@ class ForceIds:
 
 
 def step_relative_errors(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
-    """‖logits_t − reference_t‖ / ‖reference_t‖ per step, in float64 (inf on a shape mismatch or NaN)."""
-    errors = []
-    for got, ref in zip(logits, reference, strict=True):
-        if got.shape != ref.shape or not torch.isfinite(got).all():
-            errors.append(float("inf"))
-            continue
-        errors.append(((got.double() - ref.double()).norm() / ref.double().norm()).item())
-    return errors
+    """``verify.relative_error`` per step (float64; inf on a shape mismatch or a NaN eager has not)."""
+    return [relative_error(got, ref) for got, ref in zip(logits, reference, strict=True)]
 
 
 def decode_tokens_per_second(batch: int, new_tokens: int, seconds_all: float, seconds_first: float) -> float:
