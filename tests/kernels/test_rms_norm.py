@@ -20,6 +20,7 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from fusion_compiler.kernels import rms_norm as K  # noqa: E402
+from launch_counter import count_launches  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -233,9 +234,15 @@ def test_bf16_output_is_round_to_nearest_even_of_fp32_result():
 
 
 def test_empty_input_launches_nothing():
+    weight = torch.ones(128, device=DEVICE)
+    x = torch.randn(3, 128, dtype=torch.bfloat16, device=DEVICE)
+    with count_launches() as launches:
+        K.rms_norm_fwd(x, weight, 1e-6, 0.0, torch.empty_like(x))
+    assert len(launches) == 1  # the counter sees this launcher's kernel
     x = torch.empty(0, 128, dtype=torch.bfloat16, device=DEVICE)
-    out = torch.empty_like(x)
-    K.rms_norm_fwd(x, torch.ones(128, device=DEVICE), 1e-6, 0.0, out)
+    with count_launches() as launches:
+        K.rms_norm_fwd(x, weight, 1e-6, 0.0, torch.empty_like(x))
+    assert launches.names == []
 
 
 @pytest.mark.parametrize(
