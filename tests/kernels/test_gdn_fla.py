@@ -33,7 +33,11 @@ def test_scatter_rows_needs_contiguous_rows():
         gdn_fla.scatter_rows(torch.zeros(4, 6, device=DEVICE).t(), torch.zeros(2, 4, device=DEVICE), torch.zeros(2))
 
 
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fla lowering runs fla-core's kernels on CUDA")
+def needs_cuda(test):
+    """The GPU tier's (``-m gpu``): fla-core's kernels run on CUDA only."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="the fla lowering runs fla-core's kernels on CUDA")(test))
+
+
 KEY_HEADS, RATIO, KEY_DIM, VALUE_DIM, KERNEL = 2, 4, 64, 64, 4
 
 
