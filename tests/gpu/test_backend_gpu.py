@@ -1,4 +1,8 @@
-"""GPU tier: the backend on CUDA, end to end (run on the H200 with `pytest -m gpu`)."""
+"""GPU tier: the backend on CUDA, end to end (run on the H200 with `pytest -m gpu`).
+
+Every captured graph is replayed on inputs other than those it was captured with (new values in
+the captured buffers, and new tensors), and each replay is compared with eager on those inputs:
+a graph that reads a stale buffer returns the old inputs' result and fails."""
 
 from __future__ import annotations
 
@@ -39,6 +43,28 @@ def test_tiny_hf_model_fuses_and_matches_eager_on_cuda(name):
     folded_norms = sum(1 for _, kind, count in merges if kind == "kv" and count == 3)
     assert launches("_rms_norm_fwd_kernel") == sum(sites.values()) - folded_norms, kernels.names
     assert launches("_mla_kv_prologue_kernel") + launches("_mla_q_prologue_kernel") == len(merges), kernels.names
+    _assert_replays_follow_new_tokens(model, compiled, step)
+
+
+def _assert_replays_follow_new_tokens(model, compiled, step):
+    """The step graph (captured by the calls above, on the step's own token ids) replayed on
+    other tokens: written into the captured input buffer in place, then handed over as a new
+    tensor (which the backend copies into a buffer of its own). Each replay's logits must be
+    eager's for *those* tokens; a graph that read a stale buffer would return the logits of the
+    tokens it was captured with, far from these."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    captured_ids = step.input_ids.clone()
+    for shift, in_place in ((1, True), (7, True), (11, False)):
+        ids = (captured_ids + shift * 9973) % vocab
+        if in_place:
+            step.input_ids.copy_(ids)
+        else:
+            step.kwargs["input_ids"] = ids.clone()
+        fused = step.run(compiled).float().clone()  # a view of the graph's static output
+        reference = step.fresh()
+        reference.input_ids.copy_(ids)
+        eager = reference.run(model).float()
+        assert relative_error(fused, eager) < 2e-2, (shift, in_place, relative_error(fused, eager))
 
 
 class _Block(torch.nn.Module):
@@ -86,10 +112,25 @@ def test_compiled_graph_with_fused_ops_captures_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         expected, expected_total = model(x, r)
+        # The backend's own step graph (captured on the calls above), replayed on new values in
+        # the captured tensors (read in place), then on fresh tensors (copied into its buffers).
+        replays = []
+        for fresh in (False, True, True):
+            if fresh:
+                x_new, r_new = torch.randn_like(x), torch.randn_like(r)
+            else:
+                x.copy_(torch.randn_like(x))
+                r.copy_(torch.randn_like(r))
+                x_new, r_new = x, r
+            got = [t.clone() for t in compiled(x_new, r_new)]
+            replays.append((got, model(x_new, r_new)))
     assert backend.report.count() == 2
     assert relative_error(out, expected) < 1e-2
     # The sum comes after a GEMM, and cuBLAS picks different kernels eager and compiled.
     assert relative_error(total, expected_total) < 1e-2
+    for i, ((got_out, got_total), (want_out, want_total)) in enumerate(replays):
+        assert relative_error(got_out, want_out) < 1e-2, i
+        assert relative_error(got_total, want_total) < 1e-2, i
 
 
 @requires_cuda
