@@ -27,6 +27,7 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import mla_kv_prologue as K  # noqa: E402
 from fusion_compiler.ops import mla_kv_prologue as op  # noqa: E402
+from launch_counter import count_launches  # noqa: E402
 
 
 
@@ -306,10 +307,18 @@ def test_absent_roles_and_unused_outputs():
 def test_zero_tokens_launches_nothing():
     gen = torch.Generator().manual_seed(4)
     args = build_args(dict(BASE, tokens=1), gen)
+    outs = [torch.empty(s, dtype=d, device=DEVICE) for s, d in op.output_shapes(args)]
+    with count_launches() as launches:
+        K.mla_kv_prologue_fwd(args, *outs)
+    assert launches.names == ["_mla_kv_prologue_kernel"]  # the counter sees this launcher's kernel
     for name in ("q_c", "kv_c", "k_pe", "index_k", "cos", "sin", "positions", "slots"):
         args[name] = args[name][:0]
+    caches = [args[n].clone() for n in ("latent_cache", "index_cache")]
     outs = [torch.empty(s, dtype=d, device=DEVICE) for s, d in op.output_shapes(args)]
-    K.mla_kv_prologue_fwd(args, *outs)
+    with count_launches() as launches:
+        K.mla_kv_prologue_fwd(args, *outs)
+    assert launches.names == []
+    assert all(torch.equal(args[n], c) for n, c in zip(("latent_cache", "index_cache"), caches))
 
 
 def test_launch_config_real_sizes():

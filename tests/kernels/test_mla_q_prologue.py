@@ -26,6 +26,7 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import mla_q_prologue as K  # noqa: E402
 from fusion_compiler.ops import mla_q_prologue as op  # noqa: E402
+from launch_counter import count_launches  # noqa: E402
 
 
 
@@ -174,10 +175,16 @@ def test_index_q_without_weights_and_q_alone():
 
 def test_zero_tokens_launches_nothing():
     args = build_args(dict(BASE, tokens=1, positions=None), torch.Generator().manual_seed(1))
+    outs = [torch.empty(s, dtype=d, device=DEVICE) for s, d in op.output_shapes(args)]
+    with count_launches() as launches:
+        K.mla_q_prologue_fwd(args, *outs)
+    assert launches.names == ["_mla_q_prologue_kernel"]  # the counter sees this launcher's kernel
     for name in ("q_pe", "q_other", "index_q", "index_weights", "cos", "sin"):
         args[name] = args[name][:0]
     outs = [torch.empty(s, dtype=d, device=DEVICE) for s, d in op.output_shapes(args)]
-    K.mla_q_prologue_fwd(args, *outs)
+    with count_launches() as launches:
+        K.mla_q_prologue_fwd(args, *outs)
+    assert launches.names == []
 
 
 def test_launch_config_real_sizes():
