@@ -67,7 +67,50 @@ def test_reference_is_hf_repeat_kv_sdpa_fp32(mask_kind, g):
     out = decode_attention_reference(q, k, v, mask, scale)
     assert out.shape == (3, 2 * g, 1, 40) and out.dtype == torch.float32 and out.is_contiguous()
     assert relative_error(out, _sdpa64(q, k, v, mask, scale)) < 1e-6
-    assert torch.equal(OP(q, k, v, mask, scale), out)  # the op's default (CPU) impl is the reference
+
+
+def _attention64(q, k, v, mask, scale):
+    """Decode attention in float64, written out per query head (head h reads kv head h // G),
+    apart from both the op's reference and HF's repeat_kv + sdpa."""
+    b, heads = q.shape[0], q.shape[1]
+    group = heads // k.shape[1]
+    out = torch.empty(b, heads, 1, v.shape[3], dtype=torch.float64)
+    for i in range(b):
+        for h in range(heads):
+            kk, vv = k[i, h // group].double(), v[i, h // group].double()  # [S, D], [S, Dv]
+            s = kk @ q[i, h, 0].double() * scale
+            if mask is not None:
+                m = mask[min(i, mask.shape[0] - 1), 0, 0]
+                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+            p = torch.exp(s - s.max())
+            out[i, h, 0] = (p / p.sum()) @ vv
+    return out
+
+
+OP_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("mask_kind", list(_masks(1, 4, torch.float32)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_op_matches_float64_attention(dtype, mask_kind):
+    """The dispatched op (on CPU its impl is the reference, on CUDA the Triton kernel) against
+    ``_attention64`` on fresh random inputs rounded to ``dtype``: norm-wise and per output row
+    (a query head), to the dtype's tolerance (bf16 1e-2 relative)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = 10 * [torch.bfloat16, torch.float16, torch.float32].index(dtype) + list(_masks(1, 4, dtype)).index(mask_kind)
+    q, k, v = _inputs(b=3, hkv=2, g=4, s=37, d=32, dv=24, dtype=dtype, seed=200 + seed)
+    mask = _masks(3, 37, dtype, seed=300 + seed)[mask_kind]
+    scale = 32**-0.5
+    args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (q, k, v, mask)]
+    out = OP(*args, scale)
+    assert out.shape == (3, 8, 1, 24) and out.dtype == dtype and out.is_contiguous()
+    want = _attention64(q, k, v, mask, scale)
+    assert bool(torch.isfinite(want).all())
+    err = (out.cpu().double() - want).squeeze(2)  # [B, H, Dv]
+    tol = OP_TOL[dtype]
+    assert (err.norm() / want.norm()).item() < tol
+    row_rel = err.norm(dim=-1) / want.squeeze(2).norm(dim=-1)
+    assert row_rel.max().item() < 2 * tol, f"worst row relative error {row_rel.max().item():.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

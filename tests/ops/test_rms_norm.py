@@ -32,26 +32,53 @@ def assert_same(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+# Error of an output against float64 math on the same rounded inputs: norm-wise, and element-wise
+# two units in the last place of the output dtype (one for the final rounding, one for the fp32
+# math) plus a little absolute slack near zero.
+NORM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+ELEM_RTOL = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_close_to_float64(out, want, what):
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err = out.double() - want
+    rel = (err.norm() / want.norm()).item()
+    assert rel <= NORM_TOL[out.dtype], f"{what}: norm-wise relative error {rel:.3g} ({out.dtype})"
+    worst = (err.abs() - (ELEM_RTOL[out.dtype] * want.abs() + 1e-6)).max().item()
+    assert worst <= 0, f"{what}: element-wise error exceeds {ELEM_RTOL[out.dtype]:.3g} relative by {worst:.3g}"
+
+
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
-def test_cpu_ops_equal_reference(x_dtype, w_dtype, out_dtype, weight_offset):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 96, generator=g).to(x_dtype)
-    r = torch.randn(2, 5, 96, generator=g).to(x_dtype)
-    w = torch.randn(96, generator=g).to(w_dtype)
+def test_ops_match_float64_math(x_dtype, w_dtype, out_dtype, weight_offset):
+    """The dispatched ops (``torch.ops.fusion_compiler.*``: on CPU their impl is the reference,
+    on CUDA the Triton kernel) against ``float64_math`` above, written apart from both, on the
+    same rounded random inputs; the sum is eager's add, bit for bit."""
+    seed = DTYPES.index(x_dtype) * 8 + int(w_dtype == torch.float32) * 4 + int(out_dtype is None) * 2 + int(weight_offset)
+    g = torch.Generator().manual_seed(100 + seed)
+    x = (torch.randn(2, 5, 96, generator=g) * 3).to(x_dtype).to(DEVICE)
+    r = torch.randn(2, 5, 96, generator=g).to(x_dtype).to(DEVICE)
+    z = (torch.randn(2, 5, 96, generator=g) * 2).to(x_dtype).to(DEVICE)
+    w = (torch.randn(96, generator=g) * 0.5 + 0.2).to(w_dtype).to(DEVICE)
+    eps = 1e-6 if seed % 2 else 1e-2  # a visible eps: its place in the formula counts
+    want_dtype = out_dtype or x_dtype
 
-    out = rms_norm(x, w, 1e-6, weight_offset, out_dtype)
-    assert_same(out, rms_norm_reference(x, w, 1e-6, weight_offset, out_dtype))
-    assert out.dtype == (out_dtype or x_dtype)
+    out = OPS.rms_norm(x, w, eps, weight_offset, want_dtype)
+    assert out.dtype == want_dtype and out.shape == x.shape
+    assert_close_to_float64(out, float64_math(x, w, eps, weight_offset), "rms_norm")
 
-    o, s = add_rms_norm(x, r, w, 1e-6, weight_offset, out_dtype)
-    ro, rs = add_rms_norm_reference(x, r, w, 1e-6, weight_offset, out_dtype)
-    assert_same(o, ro)
-    assert_same(s, rs)
+    o, s = OPS.add_rms_norm(x, r, w, eps, weight_offset, want_dtype)
+    assert o.dtype == want_dtype and s.dtype == x_dtype
     assert_same(s, x + r)  # the sum is eager's add, rounded to x.dtype
-    assert o.dtype == (out_dtype or x_dtype) and s.dtype == x_dtype
+    assert_close_to_float64(o, float64_math(x, w, eps, weight_offset, r), "add_rms_norm")
+
+    gated = OPS.gated_rms_norm(x, z, w, eps, weight_offset, want_dtype)
+    assert gated.dtype == want_dtype
+    want = float64_math(x, w, eps, weight_offset) * torch.nn.functional.silu(z.double())
+    assert_close_to_float64(gated, want, "gated_rms_norm")
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)
