@@ -4,12 +4,18 @@ bandwidth, device facts. Method: ../../shared docs and bench/NOTES.md."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
+import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
@@ -107,7 +113,87 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item())
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_state() -> tuple[str, bool, list[str]] | None:
+    """(commit, dirty, dirty paths) of this checkout, or None where git cannot tell (no .git,
+    no git). Dirty: a tracked file differs from the commit, or an untracked file sits under
+    fusion_compiler/ or bench/ (code a run may import; bench/results/ excepted)."""
+    if not (REPO / ".git").exists():  # a copy of the tree: never ask a repository around it
+        return None
+    try:
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
+                                  timeout=60).stdout  # fmt: skip
+
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain=v1", "--untracked-files=all")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    paths = []
+    for line in status.splitlines():
+        path = line[3:]
+        if line.startswith("??") and not (path.startswith("fusion_compiler/") or
+                                          (path.startswith("bench/") and not path.startswith("bench/results/"))):
+            continue
+        paths.append(path)
+    return commit, bool(paths), paths
+
+
+def _env_flag(value: str | None) -> bool | None:
+    if value is None:
+        return None
+    return {"1": True, "true": True, "0": False, "false": False}.get(value.strip().lower())
+
+
+def provenance(device: str | None = None) -> dict:
+    """What a result was measured on; every results JSON under bench/ carries it (``write_json``
+    adds it): the commit, whether the tree differed from it (``dirty``, with up to 20 of the
+    differing paths), the device, and the torch, triton and transformers versions.
+
+    The commit and dirty flag come from git in this checkout.  Where git cannot tell (the GPU
+    machine gets a copy of the tree without .git) they come from FUSION_COMMIT and FUSION_DIRTY
+    (1 / 0), set by whoever sent the tree; with neither, commit "unknown" and dirty None, never
+    a guess.  ``commit_source`` says which: "git", "env" or "none".  ``device``: the caller's
+    name for it, else the CUDA device's name, else the CPU's.
+    """
+    state = _git_state()
+    if state is not None:
+        commit, dirty, paths = state
+        source = "git"
+    elif os.environ.get("FUSION_COMMIT"):
+        commit, dirty, paths = os.environ["FUSION_COMMIT"], _env_flag(os.environ.get("FUSION_DIRTY")), []
+        source = "env"
+    else:
+        commit, dirty, paths, source = "unknown", None, [], "none"
+    if device is None:
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name()
+        else:
+            device = f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "dirty_paths": paths[:20],
+        "commit_source": source,
+        "device": device,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+    }
+
+
 def write_json(path: str, payload: dict) -> None:
+    """Write a results JSON with its ``provenance()`` first (a caller that made its own, e.g.
+    with the device it ran on, keeps it)."""
+    if "provenance" not in payload:
+        payload = {"provenance": provenance(), **payload}
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
 

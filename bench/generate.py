@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -130,20 +129,6 @@ def split_calls(regions: list[dict], new_tokens: int) -> dict:
     that compiles the forward itself also runs the prefill through it, first."""
     decode = regions[len(regions) - (new_tokens - 1):] if len(regions) >= new_tokens - 1 else regions
     return {"decode": capture_verdict(decode), "prefill": capture_verdict(regions[: len(regions) - len(decode)])}
-
-
-def provenance() -> dict:
-    """The commit and dirty flag: from FUSION_COMMIT / FUSION_DIRTY (the device gets a copy of
-    the tree without .git), else from git."""
-    commit, dirty = os.environ.get("FUSION_COMMIT"), os.environ.get("FUSION_DIRTY")
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-            dirty = str(bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                            capture_output=True, text=True).stdout.strip()))  # fmt: skip
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"commit": commit, "dirty": dirty in ("1", "True", "true")}
 
 
 class Runner:
@@ -271,11 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "bench": "generate", "model": args.model, "layers": LAYERS[args.model], "size": "tiny" if args.smoke else "real",
         "vocab": model.config.get_text_config(decoder=True).vocab_size, "new_tokens": args.new_tokens,
-        "prompt": PROMPT, "experts_implementation": adapter.experts_implementation, **provenance(),
+        "prompt": PROMPT, "experts_implementation": adapter.experts_implementation,
+        "provenance": common.provenance(None if device == "cuda" else "cpu (smoke)"),
     }  # fmt: skip
-    import transformers
-
-    result.update(torch=torch.__version__, transformers=transformers.__version__, device=device)
     if device == "cuda":
         result.update(common.device_facts())
         result["copy_gbs"] = common.copy_bandwidth_gbs()
