@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+try:  # Hypothesis's profile (ci or nightly; tests/hypothesis_profile.py), before any test module imports
+    import hypothesis_profile  # noqa: F401
+except ImportError:  # without hypothesis its tests skip (pytest.importorskip)
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

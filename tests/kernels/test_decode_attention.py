@@ -20,6 +20,7 @@ from kernel_fixtures import DEVICE, assert_guards_untouched, poisoned, skip_unle
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis_profile import examples  # noqa: E402
 
 skip_unless_kernels_can_run()
 
@@ -109,7 +110,7 @@ def configs(draw):
     )  # fmt: skip
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(c=configs(), splits=st.sampled_from([None, 1, 2, 4]), block_s=st.sampled_from([None, 16]))
 def test_kernel_matches_reference_random(c, splits, block_s):
     _run(c, splits, block_s)

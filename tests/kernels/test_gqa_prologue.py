@@ -26,6 +26,7 @@ from kernel_fixtures import DEVICE, INT_VIEW, assert_fp8_close, skip_unless_kern
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis_profile import examples  # noqa: E402
 
 skip_unless_kernels_can_run()
 
@@ -161,7 +162,7 @@ def tp_configs(draw):
             "hf_angles": False, "round_rope": False, "tp": draw(st.sampled_from([2, 3, 8]))}  # fmt: skip
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(c=configs())
 def test_kernel_matches_reference(c):
     _run(c)
@@ -185,7 +186,7 @@ def test_model_layouts(model):
     _run({**hf, "cos_rows": 1, "rotary_dim": 64, "dtype": torch.float32})  # full RoPE, fp32, one row for all
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(c=tp_configs())
 def test_kernel_with_given_variances_matches_reference(c):
     _run(c)
@@ -199,7 +200,7 @@ def test_given_variances_over_head_blocks(monkeypatch):
               offset=False, tp=2))  # fmt: skip
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(tokens=st.integers(1, 5), q_width=st.integers(1, 2600), k_width=st.integers(1, 300),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31 - 1))  # fmt: skip
 def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed):

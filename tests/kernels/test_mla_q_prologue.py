@@ -21,6 +21,7 @@ from kernel_fixtures import DEVICE, FP8, HAS_CUDA, INT_VIEW, assert_fp8_close, a
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis_profile import examples  # noqa: E402
 
 skip_unless_kernels_can_run()
 
@@ -142,7 +143,7 @@ def configs(draw):
     return cfg
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=examples(20), deadline=None)
 @given(cfg=configs(), seed=st.integers(0, 2**16))
 def test_kernel_matches_reference(cfg, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ import torch
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis_profile import examples  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -114,7 +115,7 @@ N_VALUES = [1, 7, 64, 96, 128, 200, 256, 384, 1000, 1024]
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     m=st.integers(1, 40),
     n=st.sampled_from(N_VALUES),
@@ -163,7 +164,7 @@ def run_gated_case(shape, x_dtype, gate_dtype, w_dtype, eps, weight_offset, layo
     assert_bitwise_equal(gate, gate_before)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     rows=st.integers(1, 12),
     heads=st.integers(1, 4),
