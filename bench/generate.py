@@ -11,7 +11,9 @@ experts implementation), ``cache_implementation="static"``, greedy ``generate()`
 * ``ours_forward``: ``model.forward = torch.compile(model.forward, backend="fusion_compiler")``,
   ``generate(disable_compile=True)`` (else HF's own compile of ``__call__`` would wrap it, and
   the outer backend wins in Dynamo);
-* ``ours_fc_compile``: ``fusion_compiler.compile(model)``, then ``generate()``.
+* ``ours_fc_compile``: ``fusion_compiler.compile(model)``, then ``generate()``;
+* ``stock_forward``: ``ours_forward`` with stock Inductor (``mode="reduce-overhead"``), its
+  baseline: both compile the prefill, which HF's own route leaves eager (not run by default).
 
 Per (mode, batch):
 
@@ -161,6 +163,8 @@ class Runner:
         self.fused = None
         if mode == "ours_forward":
             self.model.forward = torch.compile(self.original_forward, backend="fusion_compiler")
+        elif mode == "stock_forward":  # ours_forward's baseline: the prefill compiled too
+            self.model.forward = torch.compile(self.original_forward, mode="reduce-overhead")
         elif mode == "ours_fc_compile":
             self.fused = fc.compile(self.model)
         self.mode = mode
@@ -170,7 +174,7 @@ class Runner:
 
         kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, cache_implementation="static",
                   pad_token_id=0)  # fmt: skip
-        if mode in ("eager", "ours_forward"):
+        if mode in ("eager", "ours_forward", "stock_forward"):
             kw["disable_compile"] = True
         elif mode in ("stock", "ours"):
             config = CompileConfig(backend="inductor" if mode == "stock" else "fusion_compiler")
