@@ -183,7 +183,8 @@ def run_on_copy(mutation: Mutation | None, test: str, device: str, timeout: floa
         if device == "cpu":
             env["TRITON_INTERPRET"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
-        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "_mutation_probe", test]
+        marks = ["-m", "gpu"] if device == "cuda" else []  # addopts deselect the gpu tier
+        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "_mutation_probe", *marks, test]
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown rows: {sorted(unknown)}")
     baselines: dict[str, Outcome] = {}
     rows = []
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"mutations_{args.device}.md"
     for m in chosen:
         base = None
         if not args.no_baseline:
@@ -268,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome.result = "BASELINE-FAILS"
         print(f"{m.name:42} {outcome.result:22} {outcome.seconds:6.1f} s  {_cell(outcome.detail, 120)}", flush=True)
         rows.append((m, outcome, base))
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"mutations_{args.device}.md"
-    write_markdown(out, args.device, rows, argv)
+        write_markdown(out, args.device, rows, argv)  # after every row: a call cut short keeps what ran
     print(f"wrote {out}")
     return 0 if all(o.result == "PASS-as-expected-fail" for _, o, _ in rows) else 1
 
