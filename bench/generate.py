@@ -195,7 +195,7 @@ class Runner:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(self, mode: str, batch: int, tokens: int, repeats: int) -> float:
+    def timed(self, mode: str, batch: int, tokens: int, repeats: int) -> list[float]:
         times = []
         for _ in range(repeats):
             self.sync()
@@ -203,7 +203,7 @@ class Runner:
             self.generate(mode, batch, tokens)
             self.sync()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return times
 
 
 def our_graph_stats() -> list[dict]:
@@ -222,8 +222,10 @@ def run_case(runner: Runner, mode: str, batch: int, reference: dict, repeats: in
         row["logits_rel_err_max"], row["logits_rel_err_by_step"] = max(errors), errors
         runner.generate(mode, batch)  # warm-up: every capture of the route done
         runner.generate(mode, batch, 1)
-        seconds_all = runner.timed(mode, batch, runner.new_tokens, repeats)
-        seconds_first = runner.timed(mode, batch, 1, repeats)
+        all_times = runner.timed(mode, batch, runner.new_tokens, repeats)
+        first_times = runner.timed(mode, batch, 1, repeats)
+        row["generate_s_each"], row["first_token_s_each"] = all_times, first_times  # the spread
+        seconds_all, seconds_first = statistics.median(all_times), statistics.median(first_times)
         row["generate_s"], row["first_token_s"] = seconds_all, seconds_first
         row["decode_tokens_per_s"] = decode_tokens_per_second(batch, runner.new_tokens, seconds_all, seconds_first)
         if runner.device == "cuda" and mode != "eager":
