@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kernel_fixtures import DEVICE, INT_VIEW, skip_unless_kernels_can_run
+from launch_counter import count_launches
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
@@ -251,12 +252,18 @@ def test_fp16_logits():
     assert_matches_reference(args)
 
 
-def test_zero_tokens():
-    logits = torch.empty(0, 16, device=DEVICE)
-    weights = torch.empty(0, 4, device=DEVICE)
-    ids = torch.empty(0, 4, dtype=torch.int64, device=DEVICE)
-    named = dict(zip(_ARG_NAMES, (logits, None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32)))
-    K.moe_route_fwd(named, weights, ids)
+def test_zero_tokens_launches_nothing():
+    """No rows, no launch (the launcher returns before it); one row launches the routing kernel
+    once, so the counter does see this launcher's launches."""
+    args = (None, 4, 1, 1, 0, True, 0.0, 1.0, torch.float32)
+    with count_launches() as launches:
+        K.moe_route_fwd(dict(zip(_ARG_NAMES, (torch.randn(1, 16, device=DEVICE),) + args)),
+                        torch.empty(1, 4, device=DEVICE), torch.empty(1, 4, dtype=torch.int64, device=DEVICE))
+    assert launches.names == ["_moe_route_kernel"]
+    with count_launches() as launches:
+        K.moe_route_fwd(dict(zip(_ARG_NAMES, (torch.empty(0, 16, device=DEVICE),) + args)),
+                        torch.empty(0, 4, device=DEVICE), torch.empty(0, 4, dtype=torch.int64, device=DEVICE))
+    assert launches.names == []
 
 
 def test_rejects_bad_outputs():
