@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread a worker: `make test` runs one worker a core
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 try:  # Hypothesis's profile (ci or nightly; tests/hypothesis_profile.py), before any test module imports
     import hypothesis_profile  # noqa: F401
 except ImportError:  # without hypothesis its tests skip (pytest.importorskip)

@@ -20,11 +20,14 @@ def rows():
     return decode.main(["--smoke", "--models", "minimax-m2.5", "--batches", "2"])
 
 
+# The smoke run (`rows`, about 40 s on 2 CPU cores) is nightly.
+@pytest.mark.nightly
 def test_both_sources_one_row_each(rows):
     assert [(r["source"], r["model"], r["kind"], r["batch"]) for r in rows] == [
         ("reference", "minimax-m2.5", "moe", 2), ("hf", "minimax-m2.5", "moe", 2)]  # fmt: skip
 
 
+@pytest.mark.nightly
 def test_every_mode_agrees_with_eager_and_fuses_every_site(rows):
     for row in rows:
         for stack in row["stacks"].values():
@@ -41,6 +44,7 @@ def test_every_mode_agrees_with_eager_and_fuses_every_site(rows):
             assert row["stacks"]["two"]["modes"]["fusion_compiler"]["vs_eager"]["state_rel_err"] < 2e-2
 
 
+@pytest.mark.nightly
 def test_floors_count_one_layer(rows):
     reference, hf = rows
     # The reference runs its routed experts: a batch of 2 reads up to 2 * top_k of them.

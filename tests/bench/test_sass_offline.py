@@ -31,7 +31,9 @@ def test_shipped_launches_compile_for_sm90():
     assert len(lines) == 27 and all(line.startswith("ok") for line in lines), result.stdout
 
 
-@pytest.mark.parametrize("model", ["minimax-m2.5", "qwen3.5"])
+# Qwen3.5 nightly (14 s): the CI tier keeps MiniMax's here, and `check` above fails any ROUND_ROPE
+# launch of either model whose PTX has a half-precision FMA.
+@pytest.mark.parametrize("model", ["minimax-m2.5", pytest.param("qwen3.5", marks=pytest.mark.nightly)])
 def test_gqa_hf_rope_products_stay_rounded(model):
     """HF's RoPE launch compiles without half-precision FMAs; with FMA contraction forced on the
     same launch has them (LLVM narrows each rounded fp32 product to a bf16 multiply, which the

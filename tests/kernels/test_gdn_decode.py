@@ -18,6 +18,7 @@ from kernel_fixtures import DEVICE, INT_VIEW, assert_guards_untouched, poisoned,
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis_profile import examples  # noqa: E402
 
 skip_unless_kernels_can_run()
 
@@ -111,7 +112,7 @@ def configs(draw):
     )  # fmt: skip
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(c=configs())
 def test_kernel_matches_reference(c):
     args = _make(c)
@@ -127,7 +128,9 @@ def test_kernel_matches_reference(c):
     assert torch.equal(args[11][untouched], before[1][untouched]), "recurrent state outside the written slots"
 
 
-@pytest.mark.parametrize("block_v, split", [(32, 1), (8, 1), (8, 2), (8, 4)])
+# (32, 1) is the launcher's tiling at this shape; the others at 18-34 s each under the interpreter
+# are nightly (the CI tier's hypothesis test draws block_v below DV and split 2 too).
+@pytest.mark.parametrize("block_v, split", [(32, 1)] + [pytest.param(8, s, marks=pytest.mark.nightly) for s in (1, 2, 4)])
 def test_qwen_grouping_over_consecutive_steps(block_v, split):
     """Qwen3.5's 4 value heads per key head (16 / 64 at full size), HF's conv width 4, bf16;
     kernel and reference each carry their own states through consecutive steps, with each head
@@ -166,7 +169,8 @@ def test_counters_are_left_at_zero(block_v, split):
     assert torch.equal(counters, torch.zeros_like(counters))
 
 
-@pytest.mark.parametrize("block_v, split", [(32, 1), (8, 1), (8, 2), (8, 4)])
+# An A/B knob: the tile form at one block a head in CI (it is shipped where kernel or width is not 4).
+@pytest.mark.parametrize("block_v, split", [(32, 1)] + [pytest.param(8, s, marks=pytest.mark.nightly) for s in (1, 2, 4)])
 def test_conv_as_a_tile_matches_reference_where_taps_apply(monkeypatch, block_v, split):
     """The A/B form of the conv (``_CONV_TAPS`` False: the [C, K] tile even where kernel and state
     width are 4, whose default is per-tap vectors) against the reference: conv state bit-equal,

@@ -61,7 +61,8 @@ def test_two_layers_with_a_dynamic_batch_fuse_every_site():
     assert backend.report.per_module("gqa_prologue") == expected["gqa_prologue"]
 
 
-@pytest.mark.parametrize("model_name", ["deepseek-v3.2", "qwen3.5"])
+# Qwen3.5 (43 s on 2 CPU cores) nightly; the CI tier keeps DeepSeek's HF model and the reference stack above.
+@pytest.mark.parametrize("model_name", ["deepseek-v3.2", pytest.param("qwen3.5", marks=pytest.mark.nightly)])
 def test_hf_model_fuses_every_site_again_after_the_batch_goes_dynamic(model_name):
     """HF's code at batch 2, then batch 3: Dynamo recompiles with a symbolic batch, and every
     expected site must fuse in that graph too (strict). Regression (H200 decode bench, batch 8

@@ -188,6 +188,9 @@ def tp_run(tmp_path_factory):
     return dict(ranks=ranks, seconds=time.perf_counter() - start)  # about 20 s on 2 CPU cores
 
 
+# The world of 2 (two processes compiling: 20-60 s on 2 CPU cores) is nightly; the CI tier fuses
+# the TP variant in the world of 1 below.
+@pytest.mark.nightly
 def test_every_rank_fuses_each_layer_with_its_all_reduce_neighbours(tp_run):
     for rank, run in enumerate(tp_run["ranks"]):
         assert run["device"] == str(_rank_device(rank))  # where the kernels ran
@@ -201,6 +204,7 @@ def test_every_rank_fuses_each_layer_with_its_all_reduce_neighbours(tp_run):
         assert code.count("_c10d_functional.all_reduce") >= 2
 
 
+@pytest.mark.nightly
 def test_each_rank_matches_its_eager_step(tp_run):
     for run in tp_run["ranks"]:
         for eager, fused in zip(run["eager"], run["fused"]):
@@ -221,6 +225,7 @@ def test_each_rank_matches_its_eager_step(tp_run):
                     assert relative_error(*written) < 1e-2
 
 
+@pytest.mark.nightly
 def test_gathered_q_equals_the_single_rank_reference(tp_run):
     """Rank r holds heads [r * H / 2, (r + 1) * H / 2): concatenated over the head dim, the
     fused TP q is the single-rank q, and the bf16 K rows are its K rows."""
@@ -239,6 +244,7 @@ def test_gathered_q_equals_the_single_rank_reference(tp_run):
     assert relative_error(k_rows, _flat(caches[0][0])[SLOTS].float()) < 1e-2
 
 
+@pytest.mark.nightly
 def test_tp_reference_forward_equals_the_single_rank_forward(tp_run):
     """The TP reference itself: each rank's attention over its kv heads, o_proj's partial sums
     all-reduced, is the single-rank layer (eager both)."""

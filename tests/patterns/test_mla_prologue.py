@@ -372,6 +372,7 @@ def test_guard_declines_a_non_contiguous_cache():
     assert "k_pe is a .float() of a narrower value" in mla_prologue.guard(values, variant)
 
 
+@pytest.mark.nightly  # the "inductor" lowering (a knob; the default is "triton"): 24 s on 2 CPU cores
 def test_inductor_lowering_replaces_every_site_with_the_canonical_decomposition():
     """Lowering "inductor": the same sites match (strict), no fused op is called, no launch is
     merged, and the result stays as close to eager as stock Inductor's."""
