@@ -49,11 +49,17 @@ def test_tiny_hf_model_fuses_and_matches_eager_on_cuda(name):
 def _assert_replays_follow_new_tokens(model, compiled, step):
     """The step graph (captured by the calls above, on the step's own token ids) replayed on
     other tokens: written into the captured input buffer in place, then handed over as a new
-    tensor (which the backend copies into a buffer of its own). Each replay's logits must be
-    eager's for *those* tokens; a graph that read a stale buffer would return the logits of the
-    tokens it was captured with, far from these."""
+    tensor (which the backend copies into a buffer of its own). Each replay must equal the same
+    fusions compiled without CUDA graphs, run on *those* tokens; a graph that read a stale buffer
+    returns the captured tokens' logits, which differ from these by far more than the bound.
+
+    Not eager as the reference: with random weights a tiny MoE's top-k has near-ties, and any
+    change of rounding flips an expert for some tokens (stock Inductor's logits then leave eager's
+    by 0.1 or more); on the H200 (5e287f6) all three models failed a 2e-2 bound against eager."""
+    uncaptured = torch.compile(model, backend=fc.FusionBackend(fc.FusionConfig(cudagraphs=False)))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     captured_ids = step.input_ids.clone()
+    stale = step.run(compiled).float().clone()  # what a graph that ignores its inputs returns
     for shift, in_place in ((1, True), (7, True), (11, False)):
         ids = (captured_ids + shift * 9973) % vocab
         if in_place:
@@ -63,8 +69,9 @@ def _assert_replays_follow_new_tokens(model, compiled, step):
         fused = step.run(compiled).float().clone()  # a view of the graph's static output
         reference = step.fresh()
         reference.input_ids.copy_(ids)
-        eager = reference.run(model).float()
-        assert relative_error(fused, eager) < 2e-2, (shift, in_place, relative_error(fused, eager))
+        want = reference.run(uncaptured).float()
+        assert relative_error(want, stale) > 0.1, "the new tokens must change the logits for this to test anything"
+        assert relative_error(fused, want) < 1e-3, (shift, in_place, relative_error(fused, want), relative_error(fused, stale))
 
 
 class _Block(torch.nn.Module):

@@ -7,7 +7,7 @@ once eagerly, on two copies of the caches. The eager side is plain torch through
 attention core forced onto the gathered SDPA path rather than our paged kernel), so no kernel of
 ours is on both sides.
 
-After every step: the output agrees with eager's (bf16 tolerance); in every layer's K and V
+After every step: the output agrees with eager's (3e-2: two bf16 layers); in every layer's K and V
 cache each row written this step (the live slots) is close to eager's row, element-wise, and
 every other row is bit-equal to what it held before the step (padding rows, the bucket's padded
 rows and stale slots included). There must be exactly one graph per bucket used, each with
@@ -105,7 +105,9 @@ def test_replays_equal_eager_over_many_steps():
             with _attention_without_our_kernel():
                 want = model(**inputs, **eager_caches)
             worst = max(worst, relative_error(got, want))
-            assert worst < 2e-2, (step, tokens, worst)
+            # Two layers of bf16, rounded where plain torch rounds against our fp32-inside kernels:
+            # 0.022 at step 0 on the H200 (5e287f6). A dropped or stale row is off by O(1).
+            assert worst < 3e-2, (step, tokens, worst)
             _assert_cache_rows(caches, before, eager_caches, inputs["slots"], step)
             buckets_used.add(next(b for b in graphs.config.cudagraph_buckets if b >= tokens))
     reports = [g.report() for g in graphs.step_graphs]
