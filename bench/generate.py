@@ -134,6 +134,21 @@ def split_calls(regions: list[dict], new_tokens: int) -> dict:
     return {"decode": capture_verdict(decode), "prefill": capture_verdict(regions[: len(regions) - len(decode)])}
 
 
+def pin_routing(model) -> int:
+    """Routers that choose by ``sigmoid + e_score_correction_bias`` (DeepSeek, MiniMax) choose the
+    same experts for every token once the bias steps by 2 per expert (more than sigmoid's range):
+    no near-tie is left to flip, while the routing weights still come from each token's scores.
+    Returns the number of routers pinned (Qwen3.5's softmax router has no bias: 0)."""
+    pinned = 0
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            with torch.no_grad():
+                bias.copy_(-2.0 * torch.arange(bias.numel(), dtype=bias.dtype, device=bias.device))
+            pinned += 1
+    return pinned
+
+
 class Runner:
     """One model, its modes. ``generate(mode, batch, ...)`` installs the mode's compile route."""
 
@@ -254,16 +269,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["eager", "stock", "ours", *ROUTES_AT_BATCH_1])
     parser.add_argument("--smoke", action="store_true", help="tiny widths on CPU (HF compiles there when asked)")
+    parser.add_argument("--pin-routing", action="store_true",
+                        help="bias-routed models send every token to the same experts (pin_routing): logits "
+                             "without near-tie flips; not for timing, since real routing spreads tokens")  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     adapter = get_adapter(args.model)
     model = adapter.build_hf(size="tiny" if args.smoke else "real", layers=LAYERS[args.model], device=device)
+    pinned = pin_routing(model) if args.pin_routing else 0
     runner = Runner(model, device, args.new_tokens, cpu_compile=args.smoke)
     result = {
         "bench": "generate", "model": args.model, "layers": LAYERS[args.model], "size": "tiny" if args.smoke else "real",
         "vocab": model.config.get_text_config(decoder=True).vocab_size, "new_tokens": args.new_tokens,
-        "prompt": PROMPT, "experts_implementation": adapter.experts_implementation,
+        "prompt": PROMPT, "experts_implementation": adapter.experts_implementation, "pinned_routers": pinned,
         "provenance": common.provenance(None if device == "cuda" else "cpu (smoke)"),
     }  # fmt: skip
     if device == "cuda":

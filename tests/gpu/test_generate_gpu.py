@@ -7,7 +7,7 @@
   step where stock Inductor's, compiled the same way, are: with random weights a near-tie in the
   MoE top-k flips an expert under any change of rounding, and stock's own logits then leave
   eager's by 0.1 or more; at such a step ours must be no further off than 1.5x stock. The
-  bias-routed models' experts are pinned (``_pin_routing``), so their near-ties cannot flip.
+  bias-routed models' experts are pinned (``bench.pin_routing``), so their near-ties cannot flip.
 
 Each ``generate()`` makes a new static cache, so the later calls also check that the step writes
 the caller's new cache and replays without a recapture (the graph pool's ``use_count`` assertion,
@@ -37,18 +37,6 @@ PREFILL_CALLS = {"ours": 0, "ours_forward": 1}
 BASELINE = {"ours": "stock", "ours_forward": "stock_forward"}
 
 
-def _pin_routing(model) -> int:
-    """Routers that choose by ``sigmoid + e_score_correction_bias`` (DeepSeek, MiniMax) choose the
-    same experts for every token once the bias steps by 2 per expert (more than sigmoid's range):
-    no near-tie left to flip, while the routing weights still come from each token's scores."""
-    pinned = 0
-    for module in model.modules():
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            bias.copy_(-2.0 * torch.arange(bias.numel(), dtype=bias.dtype, device=bias.device))
-            pinned += 1
-    return pinned
-
 
 def _errors(runner, mode, eager):
     out = runner.generate(mode, BATCH, output_logits=True, return_dict_in_generate=True,
@@ -62,7 +50,7 @@ def test_generate_replays_graphs_and_matches_eager(name):
     from fusion_compiler.model_adapters import get_adapter
 
     model = get_adapter(name).build_hf(size="tiny", layers=bench.LAYERS[name], device="cuda")
-    assert _pin_routing(model) == (0 if name == "qwen3.5" else bench.LAYERS[name])
+    assert bench.pin_routing(model) == (0 if name == "qwen3.5" else bench.LAYERS[name])
     runner = bench.Runner(model, "cuda", NEW_TOKENS, cpu_compile=False)
     eager = runner.generate("eager", BATCH, output_logits=True, return_dict_in_generate=True)
     for route, prefill in PREFILL_CALLS.items():
