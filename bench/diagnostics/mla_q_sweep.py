@@ -1,7 +1,7 @@
 """Launch sweep for the q-side prologue kernel at DeepSeek V3.2 widths (H200): lanes per
 program (heads per program) and warps, timed as CUDA-graph replays.
 
-    python bench/mla_q_sweep.py --out bench/results/mla_q_sweep_h200.json
+    python bench/diagnostics/mla_q_sweep.py --out bench/results/mla_q_sweep_h200.json
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 
 from fusion_compiler.kernels import mla_q_prologue as K  # noqa: E402

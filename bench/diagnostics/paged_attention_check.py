@@ -12,12 +12,12 @@ T = 1, 8, 64 sequences of context 4096 (block size 16, blocks shuffled), bf16 an
     bandwidth.
 Each case runs in its own try/except (an error is recorded, the rest go on). ~1 minute.
 
-    python bench/paged_attention_check.py --out bench/results/paged_attention_h200.json
+    python bench/diagnostics/paged_attention_check.py --out bench/results/paged_attention_h200.json
 
 ``--smoke``: on CPU under Triton's interpreter, tiny widths and context, correctness only (the
 op's CPU path is the gathered one there, so ``uses_kernel`` is false):
 
-    TRITON_INTERPRET=1 python bench/paged_attention_check.py --smoke --out /tmp/paged_smoke.json
+    TRITON_INTERPRET=1 python bench/diagnostics/paged_attention_check.py --smoke --out /tmp/paged_smoke.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 
 from fusion_compiler.kernels import paged_decode_attention as kernel  # noqa: E402

@@ -1,7 +1,7 @@
 """Does Triton's fp32 -> float8e4nv cast (triton 3.6, H200) round like torch's? Counts codes
 that differ over random values and over exact midpoints between adjacent e4m3 codes.
 
-    python bench/fp8_cast_check.py
+    python bench/diagnostics/fp8_cast_check.py
 """
 
 import torch

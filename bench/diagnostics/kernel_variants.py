@@ -1,7 +1,7 @@
 """Where the fused add+RMSNorm kernel loses to Inductor's at decode shapes: Inductor's
 generated launch config beside ours with other (rows, warps) choices, in one run.
 
-    python bench/kernel_variants.py --out bench/results/kernel_variants_h200.json
+    python bench/diagnostics/kernel_variants.py --out bench/results/kernel_variants_h200.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 from kernels import hf_add_rms_norm  # noqa: E402
 

@@ -2,7 +2,7 @@
 elementwise kernels and a GEMM, then print the kernel nodes read from the graph and the kernels
 the profiler sees in one eager call and in one replay.
 
-    python bench/cudagraph_nodes_check.py
+    python bench/diagnostics/cudagraph_nodes_check.py
 """
 
 from __future__ import annotations

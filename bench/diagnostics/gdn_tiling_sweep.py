@@ -8,7 +8,7 @@ batch 1, 8, 64, 256, as CUDA-graph replays over input sets rotated past L2, and 
 tiling against the op's torch reference (outputs, both states, untouched slots) on a pristine
 copy of the first input set.
 
-    python bench/gdn_tiling_sweep.py --out bench/results/gdn_tiling_sweep_h200.json
+    python bench/diagnostics/gdn_tiling_sweep.py --out bench/results/gdn_tiling_sweep_h200.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 from gdn_decode import L2_BYTES, REAL, Region, clone_inputs, compare, make_inputs, region_bytes  # noqa: E402
 

@@ -2,7 +2,7 @@
 time, over the layouts and weight dtypes real graphs pass (strided GEMM-output views, fp32
 norm weights). Prints mismatch counts; exits non-zero on any mismatch beyond one FP8 step.
 
-    python bench/mla_kernel_check.py
+    python bench/diagnostics/mla_kernel_check.py
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ writes, per kernel name, the device µs and launches per call of (2 layers) - (1
 of kernel time against the step's wall time (CUDA events) is the time the GPU sat between
 kernels.
 
-    python bench/profile_step.py --out bench/results/profile_step_h200.json
-    python bench/profile_step.py --models minimax-m2.5 --batch 1 --out p.json
-    python bench/profile_step.py --source reference --experts grouped --models minimax-m2.5 --batch 64 --out p.json
+    python bench/diagnostics/profile_step.py --out bench/results/profile_step_h200.json
+    python bench/diagnostics/profile_step.py --models minimax-m2.5 --batch 1 --out p.json
+    python bench/diagnostics/profile_step.py --source reference --experts grouped --models minimax-m2.5 --batch 64 --out p.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 import decode  # noqa: E402
 

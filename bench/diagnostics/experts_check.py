@@ -21,7 +21,7 @@ router returns bf16 ones, so bf16 there):
 Each case runs in its own try/except (errors recorded in the JSON, which is rewritten after each
 model); ``--budget-s`` skips what is left past it. About 2 minutes on an H200.
 
-    python bench/experts_check.py --out bench/results/experts_check_h200.json
+    python bench/diagnostics/experts_check.py --out bench/results/experts_check_h200.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 
 from fusion_compiler.model_adapters import experts_kernel as K  # noqa: E402
@@ -110,7 +110,7 @@ class Runner:
     def __init__(self, args):
         self.args = args
         self.start = time.monotonic()
-        self.payload = {"script": "bench/experts_check.py", "errors": [], "skipped": [], "models": {}}
+        self.payload = {"script": "bench/diagnostics/experts_check.py", "errors": [], "skipped": [], "models": {}}
 
     def over_budget(self, what) -> bool:
         if time.monotonic() - self.start > self.args.budget_s:
