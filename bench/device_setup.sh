@@ -1,5 +1,6 @@
-# Sourced by the bench/*_gpu_run.sh scripts: strict shell, an editable install of this checkout
-# (the device is offline: no deps, no build isolation), one line of versions, and inspect_one.
+# Sourced by bench/gpu_run.sh and bench/diagnostics/*_gpu_run.sh: strict shell, an editable
+# install of this checkout (the device is offline: no deps, no build isolation), one line of
+# versions, and inspect_one.
 # Usage: source bench/device_setup.sh DIR   (DIR receives install.log and versions.log)
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 """GPU tier: the Gated DeltaNet decode step at Qwen3.5's widths (16 key / 64 value heads of 128,
 conv over 12288 channels, 4 taps), both lowerings: ``gdn_decode`` (our kernel,
 kernels/gdn_decode.py) and ``gdn_decode_fla`` (fla-core's kernels, kernels/gdn_fla.py; the
-device gets fla-core as a carried wheel, bench/gpu_tier_run.sh: without it this test fails, it
+device gets fla-core as a carried wheel, `bench/gpu_run.sh tier`: without it this test fails, it
 does not skip), against float64.
 
 Each case runs two consecutive steps on fresh projections: the second reads the states the first

@@ -3,7 +3,7 @@
 # - the routing kernels (moe_route-12), the GDN op / kernels (gdn_decode-7) and the GPU tier
 # (backend + step graphs over 1,000 steps) - run side by side as three processes (correctness
 # only, so sharing the GPU is harmless); then fla-core installed, its lowering's tests, and the
-# GDN core bench alone on the GPU. Call it with carry: [".wheels"] (see gdn_gpu_run.sh).
+# GDN core bench alone on the GPU. Call it with carry: [".wheels"] (see the gdn phase of bench/gpu_run.sh).
 # Results in $OUT/check_results.tgz; every pytest log is grepped for FAILED / E lines.
 OUT=${OUT:-/tmp/out}
 R=$OUT/check_results
