@@ -20,7 +20,7 @@ per column given q, k, beta, g), so each block is loaded once, decayed, read for
 updated, stored once, and its o columns are final. The first block's loads are issued before
 the q/k conv and gates (the program's other work overlaps them); each later block's right
 after the previous block's stores. ``tiling`` picks the split from the H200 sweep
-(bench/gdn_tiling_sweep.py; bench/NOTES.md): one program per head looping over 32- or 64-column
+(bench/diagnostics/gdn_tiling_sweep.py; bench/NOTES.md): one program per head looping over 32- or 64-column
 blocks at 5+ sequences (68% of the copy bandwidth on the state bytes at 256, fla's three
 kernels 62%), and a head split over 4 programs at 1-2 sequences, where 64 programs would leave
 half of the 132 SMs idle. One [Dk, Dv] tile per program (gdn_decode-1) ran at 38%: 64 state
@@ -351,7 +351,7 @@ class Tiling:
 
 
 def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
-    """The H200 sweeps' choice (bench/gdn_tiling_sweep.py, gdn_decode-3 and -7, bench/NOTES.md):
+    """The H200 sweeps' choice (bench/diagnostics/gdn_tiling_sweep.py, gdn_decode-3 and -7, bench/NOTES.md):
     one program per head looping over 64-column blocks at 4 warps from 16 sequences up (70% of
     the copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while
     there are fewer heads than ~SMs (1 sequence: 64 programs would leave half the 132 SMs

@@ -38,7 +38,7 @@ KERNEL_VERSION = "mla_q_prologue-2"
 
 # A program holds about this many lanes ([heads, dim] tile, dims padded to powers of two):
 # Launch table, measured on an H200 (torch 2.11, triton 3.6) at DeepSeek V3.2 widths (128 q heads
-# x (512 + 64), 64 index heads x 128, FP8 index q), CUDA-graph replays, bench/mla_q_sweep.py
+# x (512 + 64), 64 index heads x 128, FP8 index q), CUDA-graph replays, bench/diagnostics/mla_q_sweep.py
 # (bench/results/mla_q_sweep_h200.json). (q lanes, index_q lanes, warps) -> us at 1/64/256/4096
 # tokens:
 #   (2048, 1024, 4): 2.65 / 12.3 / 35.9 / 546   (the first, untuned choice)
@@ -48,7 +48,7 @@ KERNEL_VERSION = "mla_q_prologue-2"
 # 16 q heads and 16 index heads per program.  Keyed on tokens, known at launch (no sync).
 _FEW_TOKENS = 16
 _LAUNCH = {"few": (2048, 1024, 8), "many": (9216, 2048, 8)}
-_Q_LANES_PER_PROGRAM = None  # bench/mla_q_sweep.py overrides the table through these three
+_Q_LANES_PER_PROGRAM = None  # bench/diagnostics/mla_q_sweep.py overrides the table through these three
 _INDEX_Q_LANES_PER_PROGRAM = None
 _NUM_WARPS = None
 
