@@ -61,6 +61,16 @@ MUTATIONS = [
     Mutation("mla_q_zero_tokens_guard", "fusion_compiler/kernels/mla_q_prologue.py",
              "    if tokens == 0 or not (has_q or has_iq):", "    if not (has_q or has_iq):",
              "tests/kernels/test_mla_q_prologue.py::test_zero_tokens_launches_nothing"),
+    Mutation("moe_route_zero_tokens_guard", "fusion_compiler/kernels/moe_route.py",
+             '        raise ValueError(f"all tensors must be on {logits.device}")\n    if tokens == 0:\n        return\n',
+             '        raise ValueError(f"all tensors must be on {logits.device}")\n',
+             "tests/kernels/test_moe_route.py::test_zero_tokens_launches_nothing"),
+    Mutation("inspect_compiles_a_second_batch", "fusion_compiler/inspect/run.py",
+             "        make_decode_step(model, batch=batch, context=context, seed=0).run(torch.compile(model, backend=backend))\n",
+             "        compiled = torch.compile(model, backend=backend)\n"
+             "        make_decode_step(model, batch=batch, context=context, seed=0).run(compiled)\n"
+             "        make_decode_step(model, batch=batch + 1, context=context, seed=0).run(compiled)\n",
+             "tests/inspect/test_cli.py::test_inspect_minimax_builds_each_stack_once_and_compiles_each_mode_once"),
     # -- ops against an independent float64 formula (on CPU the op's impl is the reference) --
     Mutation("rms_norm_reference_drops_weight_offset", "fusion_compiler/ops/rms_norm.py",
              "    return _rms_norm_math(x, weight, eps, weight_offset, out_dtype)\n",
