@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
+from fusion_compiler.kernels.gqa_prologue import GqaPrologueConfig  # noqa: E402
 from fusion_compiler.model_adapters.minimax_m2 import reference as minimax  # noqa: E402
 from fusion_compiler.model_adapters.qwen35 import reference as qwen  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
@@ -107,10 +109,14 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     return result
 
 
-def _timed(ours, sets, rotations, size, bandwidth, **knobs) -> tuple[float, float]:
-    """(µs, % of HBM) of ours with the kernel's knobs set to ``knobs``."""
+def _timed(ours, sets, rotations, size, bandwidth, config=None, **knobs) -> tuple[float, float]:
+    """(µs, % of HBM) of ours launched with ``config`` (a ``GqaPrologueConfig``; None: the shipped
+    policy) and the kernel's diagnostic knobs (``_ROLES_RUN``) set to ``knobs``. The op calls the
+    launcher without a config, so inside the compiled region the launcher is bound to ``config``."""
     from fusion_compiler.kernels import gqa_prologue as kernel
 
+    if config is not None:
+        knobs["gqa_prologue_fwd"] = functools.partial(kernel.gqa_prologue_fwd, config=config)
     with torch.no_grad(), common.module_knobs(kernel, **knobs):
         us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
     return us, round(100 * size / us / 1e3 / bandwidth, 1)
@@ -119,19 +125,20 @@ def _timed(ours, sets, rotations, size, bandwidth, **knobs) -> tuple[float, floa
 def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list) -> dict:
     """% of HBM by (head-block lanes, warps, grid order, roles): "lanes/warps/order" -> %, order
     "tokens" (every q program first) or "interleaved" (role fastest); with "/kv1" k's program
-    also caches v (two roles a token, ``_KV_ONE_PROGRAM``)."""
+    also caches v (two roles a token, ``GqaPrologueConfig.kv_one_program``)."""
     out = {}
     for lanes, warps, interleaved, kv_one in itertools.product(lanes_list, warps_list, (False, True), (False, True)):
         key = f"{lanes}/{warps}/{'interleaved' if interleaved else 'tokens'}" + ("/kv1" if kv_one else "")
-        out[key] = _timed(ours, sets, rotations, size, bandwidth, _BLOCK_LANES=lanes, _INTERLEAVE_ROLES=interleaved,
-                          _KV_ONE_PROGRAM=kv_one, num_warps_for=lambda _lanes, w=warps: w)[1]
+        config = GqaPrologueConfig(block_lanes_full_width_norm=lanes, block_lanes_per_head_norm=lanes,
+                                   interleave_roles=interleaved, kv_one_program=kv_one, warps=warps)
+        out[key] = _timed(ours, sets, rotations, size, bandwidth, config)[1]
     return out
 
 
 # Role sets for ``--sweep-roles``: the shipped grid, k's program also caching v ("kv1"), and two
 # diagnostics that skip roles (kernels/gqa_prologue.py ``_ROLES_RUN``; outputs left incomplete)
 # to see which programs set the time.
-ROLE_SETS = {"shipped": {}, "kv1": {"_KV_ONE_PROGRAM": True}, "q_only": {"_ROLES_RUN": 1},
+ROLE_SETS = {"shipped": {}, "kv1": {"config": GqaPrologueConfig(kv_one_program=True)}, "q_only": {"_ROLES_RUN": 1},
              "kv_only": {"_ROLES_RUN": 6}}
 
 

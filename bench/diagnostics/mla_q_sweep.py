@@ -46,8 +46,8 @@ def main() -> None:
         for q_lanes in (2048, 4608, 9216, 18432):
             for iq_lanes in (1024, 2048):
                 for warps in (4, 8, 16):
-                    K._Q_LANES_PER_PROGRAM, K._INDEX_Q_LANES_PER_PROGRAM, K._NUM_WARPS = q_lanes, iq_lanes, warps
-                    us = common.graph_time_us(lambda i: K.mla_q_prologue_fwd(sets[i], *outs[i]), len(sets))
+                    config = K.MlaQPrologueConfig(q_lanes=q_lanes, index_q_lanes=iq_lanes, warps=warps)
+                    us = common.graph_time_us(lambda i: K.mla_q_prologue_fwd(sets[i], *outs[i], config=config), len(sets))
                     rows.append(dict(tokens=tokens, q_lanes=q_lanes, iq_lanes=iq_lanes, warps=warps, us=us,
                                      pct_bw=100 * size / us / 1e3 / bandwidth))  # fmt: skip
         best = min((r for r in rows if r["tokens"] == tokens), key=lambda r: r["us"])

@@ -38,6 +38,8 @@ importing it to run on CPU tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -47,17 +49,16 @@ from ._device import to_fp8e4nv_clamped, upcast
 
 KERNEL_VERSION = "gqa_prologue-14"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
-# latency is the time); above, ~_BLOCK_LANES lanes a block (many programs: registers per program
+# latency is the time); above, ~BLOCK_LANES_* lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
 # token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
 # tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's
 # pieces (4096 tokens, 4 warps): 2048 lanes best for MiniMax's full-width norm (89.4 / 80.5%,
 # session 13), 1024 for Qwen3.5's per-head norm (86.6 and 85.3% in two runs against 77.4-79.2%
-# at 2048, sessions 13 and 14). ``_BLOCK_LANES`` (None: by norm) is the sweep's override.
+# at 2048, sessions 13 and 14). Benches and tests time other sizes through GqaPrologueConfig.
 WHOLE_TILES_UP_TO = 256
 BLOCK_LANES_FULL_WIDTH_NORM = 2048
 BLOCK_LANES_PER_HEAD_NORM = 1024
-_BLOCK_LANES: int | None = None
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
 # tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
 # conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
@@ -65,33 +66,53 @@ _BLOCK_LANES: int | None = None
 # bench/gqa_prologue.py --sweep-lanes): MiniMax's full-width norm (its q programs read their rows
 # twice) bf16 63.8 -> 68.0%, FP8 58.8 -> 60.1%; Qwen3.5's per-head norm 67.7 -> 64.0% (session 11
 # alike, at 1024 lanes). So ``interleave_roles``: interleaved for a full-width norm in head
-# blocks; ``_INTERLEAVE_ROLES`` (None: by shape) is the sweep's override.
-_INTERLEAVE_ROLES: bool | None = None
-_KV_ONE_PROGRAM = False
+# blocks (GqaPrologueConfig.interleave_roles None); the sweep forces either order through it.
 # Diagnostic knob (bench/gqa_prologue.py --sweep-roles): a bit mask of the roles that run (q 1,
 # k 2, v 4); the others leave their outputs unwritten. Which programs set the time at 4096 tokens.
 _ROLES_RUN = 7
 
 
-def interleave_roles(tokens: int, full_width_norm: bool) -> bool:
-    """Whether the grid runs a token's roles side by side (see _INTERLEAVE_ROLES)."""
-    if _INTERLEAVE_ROLES is not None:
-        return _INTERLEAVE_ROLES
-    return bool(full_width_norm) and tokens > WHOLE_TILES_UP_TO
-
-
-def heads_per_block(tokens: int, heads: int, d_pad: int, full_width_norm: bool) -> int:
-    """Heads one program takes at a time, for rows of ``heads`` heads (q's, or k's and v's)."""
-    most = triton.next_power_of_2(heads)
-    if tokens <= WHOLE_TILES_UP_TO:
-        return most
-    lanes = _BLOCK_LANES or (BLOCK_LANES_FULL_WIDTH_NORM if full_width_norm else BLOCK_LANES_PER_HEAD_NORM)
-    return max(1, min(most, lanes // d_pad))
-
-
 def num_warps_for(lanes: int) -> int:
     """Warps of a program whose q tile (one block of heads) has ``lanes`` lanes."""
     return 8 if lanes >= 4096 else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GqaPrologueConfig:
+    """The launch policy; the defaults are the shipped one (the tables above). Programs take
+    whole tiles up to ``whole_tiles_up_to`` tokens, above it head blocks of about
+    ``block_lanes_full_width_norm`` / ``block_lanes_per_head_norm`` lanes by the norm;
+    ``interleave_roles`` None: by shape (:func:`interleave_roles`); ``kv_one_program``: k's
+    program also caches v (two roles a token; timed, not shipped); ``warps`` None:
+    :func:`num_warps_for` of the q tile."""
+
+    whole_tiles_up_to: int = WHOLE_TILES_UP_TO
+    block_lanes_full_width_norm: int = BLOCK_LANES_FULL_WIDTH_NORM
+    block_lanes_per_head_norm: int = BLOCK_LANES_PER_HEAD_NORM
+    interleave_roles: bool | None = None
+    kv_one_program: bool = False
+    warps: int | None = None
+
+
+DEFAULT_CONFIG = GqaPrologueConfig()
+
+
+def interleave_roles(tokens: int, full_width_norm: bool, config: GqaPrologueConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the grid runs a token's roles side by side (the grid-order table above)."""
+    if config.interleave_roles is not None:
+        return config.interleave_roles
+    return bool(full_width_norm) and tokens > config.whole_tiles_up_to
+
+
+def heads_per_block(
+    tokens: int, heads: int, d_pad: int, full_width_norm: bool, config: GqaPrologueConfig = DEFAULT_CONFIG
+) -> int:
+    """Heads one program takes at a time, for rows of ``heads`` heads (q's, or k's and v's)."""
+    most = triton.next_power_of_2(heads)
+    if tokens <= config.whole_tiles_up_to:
+        return most
+    lanes = config.block_lanes_full_width_norm if full_width_norm else config.block_lanes_per_head_norm
+    return max(1, min(most, lanes // d_pad))
 
 
 @triton.jit
@@ -308,10 +329,13 @@ def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, in
 
 def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
                      k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance, k_variance,
-                     variance_divisor, round_normalized, round_rope_products, q_out) -> None:  # fmt: skip
+                     variance_divisor, round_normalized, round_rope_products, q_out,
+                     config: GqaPrologueConfig | None = None) -> None:  # fmt: skip
     """Launch the kernel: writes ``q_out`` [T, heads, D] and the caches in place. Arguments as
     the op's (already validated there); q/k/v, cos/sin and the caches need unit stride along
-    their last dim, the norm weights and q_out are contiguous. No host syncs."""
+    their last dim, the norm weights and q_out are contiguous. ``config`` None: the shipped
+    launch policy. No host syncs."""
+    config = DEFAULT_CONFIG if config is None else config
     tokens, heads, head_dim = q.shape
     if tokens == 0:
         return
@@ -324,8 +348,8 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
     rot = 2 * cos.shape[-1]
-    hb_q = heads_per_block(tokens, heads, d_pad, full_width_norm)
-    hb_kv = heads_per_block(tokens, kv_heads, d_pad, full_width_norm)
+    hb_q = heads_per_block(tokens, heads, d_pad, full_width_norm, config)
+    hb_kv = heads_per_block(tokens, kv_heads, d_pad, full_width_norm, config)
     kc_blk, kc_off, kc_h, block_size = _paged_strides(k_cache, cache_heads_first)
     vc_blk, vc_off, vc_h, _ = _paged_strides(v_cache, cache_heads_first)
 
@@ -336,8 +360,9 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     # Without variances the kernel never reads them: any fp32-free pointer stands in (stride 0).
     q_var, k_var = (q_variance, k_variance) if has_variance else (slots, slots)
 
-    roles = 2 if _KV_ONE_PROGRAM else 3
-    interleaved = interleave_roles(tokens, full_width_norm)
+    roles = 2 if config.kv_one_program else 3
+    interleaved = interleave_roles(tokens, full_width_norm, config)
+    warps = num_warps_for(hb_q * d_pad) if config.warps is None else config.warps
     grid = (roles * tokens,) if interleaved else (tokens, roles)
 
     def _launch():
@@ -353,8 +378,8 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot)), BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
-            KV_ONE_PROGRAM=_KV_ONE_PROGRAM, ROLES_RUN=_ROLES_RUN, ROUND_NORMALIZED=bool(round_normalized),
-            ROUND_ROPE=bool(round_rope_products), num_warps=num_warps_for(hb_q * d_pad),
+            KV_ONE_PROGRAM=config.kv_one_program, ROLES_RUN=_ROLES_RUN, ROUND_NORMALIZED=bool(round_normalized),
+            ROUND_ROPE=bool(round_rope_products), num_warps=warps,
             # HF's rounded RoPE products: no FMA may fuse one into the sum (``_rotated``). The
             # serving layout (fp32 RoPE, rounded once) keeps contraction: at 4096 tokens the
             # kernel is bound by instruction issue (bench/NOTES.md, gqa_prologue-11).

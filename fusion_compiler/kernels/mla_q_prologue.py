@@ -18,6 +18,8 @@ triton; set ``TRITON_INTERPRET=1`` before importing it to run the kernel on CPU 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -48,9 +50,20 @@ KERNEL_VERSION = "mla_q_prologue-2"
 # 16 q heads and 16 index heads per program.  Keyed on tokens, known at launch (no sync).
 _FEW_TOKENS = 16
 _LAUNCH = {"few": (2048, 1024, 8), "many": (9216, 2048, 8)}
-_Q_LANES_PER_PROGRAM = None  # bench/diagnostics/mla_q_sweep.py overrides the table through these three
-_INDEX_Q_LANES_PER_PROGRAM = None
-_NUM_WARPS = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaQPrologueConfig:
+    """The launch: about ``q_lanes`` / ``index_q_lanes`` lanes a program for the q / index_q
+    roles, ``warps`` a program; each None: the table's entry for the token count (``_LAUNCH``,
+    the shipped policy). bench/diagnostics/mla_q_sweep.py times other launches through it."""
+
+    q_lanes: int | None = None
+    index_q_lanes: int | None = None
+    warps: int | None = None
+
+
+DEFAULT_CONFIG = MlaQPrologueConfig()
 
 
 @triton.jit
@@ -158,12 +171,13 @@ def heads_per_program(heads: int, lanes_per_head: int, lanes_per_program: int) -
     return max(1, min(hpp, triton.next_power_of_2(max(heads, 1))))
 
 
-def launch_config(q_heads: int, d_other: int, rot: int, index_heads: int, index_dim: int, tokens: int = 1):
+def launch_config(q_heads: int, d_other: int, rot: int, index_heads: int, index_dim: int, tokens: int = 1,
+                  config: MlaQPrologueConfig = DEFAULT_CONFIG):
     """Block sizes, heads per program and program counts (0 heads: role absent)."""
     q_lanes, iq_lanes, warps = _LAUNCH["few" if tokens <= _FEW_TOKENS else "many"]
-    q_lanes = _Q_LANES_PER_PROGRAM or q_lanes
-    iq_lanes = _INDEX_Q_LANES_PER_PROGRAM or iq_lanes
-    warps = _NUM_WARPS or warps
+    q_lanes = config.q_lanes or q_lanes
+    iq_lanes = config.index_q_lanes or iq_lanes
+    warps = config.warps or warps
     other_block = triton.next_power_of_2(d_other) if d_other else 1
     rot_block = triton.next_power_of_2(max(rot, 2))
     iq_block = triton.next_power_of_2(max(index_dim, 2))
@@ -186,12 +200,14 @@ def _check_out(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str) -> 
 
 
 def mla_q_prologue_fwd(named: dict, q_out: torch.Tensor, index_q_out: torch.Tensor,
-                       index_weights_out: torch.Tensor) -> None:
+                       index_weights_out: torch.Tensor, config: MlaQPrologueConfig | None = None) -> None:
     """Launch the q prologue on validated arguments (``named``: the op's argument names).
 
     Outputs come from ``ops.mla_q_prologue.output_shapes``; an absent output is an empty
-    tensor and is not written.  No host syncs: safe under CUDA-graph capture once compiled.
+    tensor and is not written.  ``config`` None: the shipped launch table.  No host syncs:
+    safe under CUDA-graph capture once compiled.
     """
+    config = DEFAULT_CONFIG if config is None else config
     q_pe, q_other, index_q = named["q_pe"], named["q_other"], named["index_q"]
     weights = named["index_weights"]
     cos, sin, positions = named["cos"], named["sin"], named["positions"]
@@ -209,7 +225,7 @@ def mla_q_prologue_fwd(named: dict, q_out: torch.Tensor, index_q_out: torch.Tens
     d_other = q_other.shape[2] if (has_q and q_other is not None) else 0
     index_heads = index_q.shape[1] if has_iq else 0
     index_dim = index_q.shape[2] if has_iq else 0
-    cfg = launch_config(q_heads, d_other, rot, index_heads, index_dim, tokens)
+    cfg = launch_config(q_heads, d_other, rot, index_heads, index_dim, tokens, config)
     if has_q:
         _check_out(q_out, (tokens, q_heads, d_other + rot), q_pe.dtype, "q_out")
     if has_iq:

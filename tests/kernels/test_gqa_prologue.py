@@ -51,7 +51,7 @@ def _assert_bf16_close(out, ref, what):
     assert int(diff.max()) <= 1, f"{what}: differs by more than one ulp"
 
 
-def _run(c):
+def _run(c, config=None):
     gen = torch.Generator().manual_seed(c["seed"])
     t, hq, hkv, d, rot = c["tokens"], c["kv_heads"] * c["group"], c["kv_heads"], c["head_dim"], c["rotary_dim"]
     act = c.get("dtype", torch.bfloat16)
@@ -86,7 +86,7 @@ def _run(c):
     q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
     q_out = torch.full((t, hq, d), float("nan"), dtype=act, device=DEVICE)
     pristine = k_cache.clone(), v_cache.clone()
-    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out)
+    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out, config=config)
     _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail)
     if act == torch.float32:  # fp32: another summation order is another last bit; float64 decides
         return
@@ -192,12 +192,15 @@ def test_kernel_with_given_variances_matches_reference(c):
     _run(c)
 
 
-def test_given_variances_over_head_blocks(monkeypatch):
+def _head_blocks_of(lanes: int) -> K.GqaPrologueConfig:
+    """Head blocks of ``lanes`` lanes at any token count (whole tiles never)."""
+    return K.GqaPrologueConfig(whole_tiles_up_to=0, block_lanes_full_width_norm=lanes, block_lanes_per_head_norm=lanes)
+
+
+def test_given_variances_over_head_blocks():
     """The given rstd holds for every head block (MiniMax's 6 / tp heads of 128 at 4096 tokens)."""
-    monkeypatch.setattr(K, "_BLOCK_LANES", 64)
-    monkeypatch.setattr(K, "WHOLE_TILES_UP_TO", 0)
     _run(dict(tokens=3, kv_heads=2, group=3, head_dim=64, seed=5, fp8=True, rotary_dim=32, full_width=True,
-              offset=False, tp=2))  # fmt: skip
+              offset=False, tp=2), _head_blocks_of(64))  # fmt: skip
 
 
 @settings(max_examples=examples(15), deadline=None)
@@ -219,14 +222,12 @@ def test_kernel_version_registered():
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks
 @pytest.mark.parametrize("model", ["minimax", "qwen"])
-def test_head_blocks(monkeypatch, model, lanes):
+def test_head_blocks(model, lanes):
     """The kernel walks heads a block at a time (the full-width sum over every block first);
     the real widths take several blocks (48 x 128 -> 6 of 8), the tiny tests above take one."""
-    monkeypatch.setattr(K, "_BLOCK_LANES", lanes)
-    monkeypatch.setattr(K, "WHOLE_TILES_UP_TO", 0)
     c = dict(tokens=3, kv_heads=2, group=3, head_dim=64, seed=11, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen", heads_first=model == "qwen")
-    _run(c)
+    _run(c, _head_blocks_of(lanes))
 
 
 @pytest.mark.parametrize("tp", [False, True])
@@ -255,13 +256,11 @@ def test_op_device_body_with_and_without_variances(tp):
 
 @pytest.mark.parametrize("interleaved, kv_one_program", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("model", ["minimax", "qwen"])
-def test_grid_orders(monkeypatch, model, interleaved, kv_one_program):
+def test_grid_orders(model, interleaved, kv_one_program):
     """The role-fastest 1-D grid, and k's program also caching v, compute what the (tokens, 3)
     grid does, with an FP8 cache (``_run`` gives about a quarter of the tokens slot -1 and
     compares the whole caches)."""
-    monkeypatch.setattr(K, "_INTERLEAVE_ROLES", interleaved)
-    monkeypatch.setattr(K, "_KV_ONE_PROGRAM", kv_one_program)
     c = dict(tokens=5, kv_heads=2, group=3, head_dim=64, seed=13, fp8=model == "minimax", rotary_dim=32 if model == "minimax" else 16)
     c.update(full_width=model == "minimax", offset=model == "qwen", gated=model == "qwen")
-    _run(c)
+    _run(c, K.GqaPrologueConfig(interleave_roles=interleaved, kv_one_program=kv_one_program))
 

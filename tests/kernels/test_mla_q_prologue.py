@@ -13,7 +13,6 @@ few ulps (the GPU may contract ``w * scale * q_scale`` differently).
 
 from __future__ import annotations
 
-import contextlib
 import pytest
 import torch
 
@@ -43,15 +42,9 @@ def assert_bits_equal(out, ref, what):
 
 
 
-@contextlib.contextmanager
 def lanes_per_program(n):
     """Fewer lanes per program: the tiny test heads are split over several programs."""
-    old = K._Q_LANES_PER_PROGRAM, K._INDEX_Q_LANES_PER_PROGRAM
-    K._Q_LANES_PER_PROGRAM = K._INDEX_Q_LANES_PER_PROGRAM = n
-    try:
-        yield
-    finally:
-        K._Q_LANES_PER_PROGRAM, K._INDEX_Q_LANES_PER_PROGRAM = old
+    return K.MlaQPrologueConfig(q_lanes=n, index_q_lanes=n)
 
 
 def build_args(cfg, gen):
@@ -87,11 +80,11 @@ def build_args(cfg, gen):
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def run_and_compare(args):
+def run_and_compare(args, config=None):
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
     ref = op.mla_q_prologue_reference(**args)
     bufs, outs = zip(*(poisoned(shape, dtype) for shape, dtype in op.output_shapes(args)))
-    K.mla_q_prologue_fwd(args, *outs)
+    K.mla_q_prologue_fwd(args, *outs, config=config)
     for name, buf, out, r in zip(("q_out", "index_q_out", "index_weights_out"), bufs, outs, ref):
         assert_guards_untouched(buf)
         if out.numel() == 0:
@@ -147,8 +140,7 @@ def configs(draw):
 @given(cfg=configs(), seed=st.integers(0, 2**16))
 def test_kernel_matches_reference(cfg, seed):
     gen = torch.Generator().manual_seed(seed)
-    with lanes_per_program(cfg["lanes"]):
-        run_and_compare(build_args(cfg, gen))
+    run_and_compare(build_args(cfg, gen), lanes_per_program(cfg["lanes"]))
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -160,8 +152,7 @@ def test_fp8_extreme_heads(ue8m0):
     iq[:, 0] *= 1e-7      # tiny: amax floored, small codes
     iq[:, 1] *= 1e-11     # far under the floor
     iq[:, 2] *= 1e30      # huge
-    with lanes_per_program(64):  # one head per program
-        outs = run_and_compare(args)
+    outs = run_and_compare(args, lanes_per_program(64))  # one head per program
     codes = outs[1].view(torch.uint8) & 0x7F
     assert bool((codes[:, 1] < 0x08).all())  # |x / scale| < 2**-6: subnormal codes or zero
     if not ue8m0:  # without ue8m0 each head's amax maps to the top code, 448 (0x7E)
