@@ -26,7 +26,7 @@ has no state slots; tests/patterns/test_gdn.py covers HF's decode path).
               back, so it is compared slot for slot with eager.
     ours      torch.compile with the fusion backend, strict, one ``gdn`` site expected
               (lowering "triton": the one-kernel op ``fusion_compiler::gdn_decode``).
-    ours_tile ours with the kernel's conv as a [C, K] tile (kernels/gdn_decode.py ``_CONV_TAPS``
+    ours_tile ours with the kernel's conv as a [C, K] tile (kernels/gdn_decode.py ``Tiling.conv_taps``
               False), the form before gdn_decode-8 made per-tap vectors the default: the A/B
     ours_fla  the same with the gdn family's lowering "fla" (``fusion_compiler::gdn_decode_fla``:
               fla's three kernels behind the op, the state rows gathered at the slots and
@@ -243,11 +243,16 @@ def build_variants(region, cfg, tokens: int, fla_reason: str | None):
 
 
 def _with_conv_tile(ours):
-    """``ours`` with the kernel's ``_CONV_TAPS`` off while it runs (a CUDA graph records the launch
-    made during its capture, so the captured kernel is the tile one)."""
+    """``ours`` with the kernel's conv as the [C, K] tile (``Tiling.conv_taps`` False) while it
+    runs: the op launches with the launcher's own ``tiling`` choice, so that choice is wrapped (a
+    CUDA graph records the launch made during its capture, so the captured kernel is the tile one)."""
+    shipped = gdn_kernel.tiling
+
+    def tile_conv(*args):
+        return dataclasses.replace(shipped(*args), conv_taps=False)
 
     def run(**inputs):
-        with common.module_knobs(gdn_kernel, _CONV_TAPS=False):
+        with common.module_knobs(gdn_kernel, tiling=tile_conv):
             return ours(**inputs)
 
     return run

@@ -32,6 +32,7 @@ overrides the launch's ``enable_fp_fusion`` (``on`` shows the contraction those 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -138,8 +139,9 @@ def gdn_launch(tokens: int, conv_tile: bool) -> _Recorder:
             1e-6, 1e-6, torch.randn(tokens + 1, conv_dim, kernel, dtype=bf16), torch.randn(tokens + 1, hv, d, d),
             torch.arange(tokens)]  # fmt: skip
     out, counters = torch.empty(tokens, hv * d, dtype=bf16), torch.zeros(tokens * hk, dtype=torch.int32)
-    with common.module_knobs(K, _CONV_TAPS=not conv_tile):
-        return captured_launch(K, "_gdn_decode_kernel", lambda: K.gdn_decode_fwd(*args, out, counters=counters))
+    tile = dataclasses.replace(K.tiling(tokens, d, hv), conv_taps=not conv_tile)
+    return captured_launch(K, "_gdn_decode_kernel",
+                           lambda: K.gdn_decode_fwd(*args, out, counters=counters, tiling_override=tile))
 
 
 ROUTER_KERNELS = ("_router_gemm_kernel", "_moe_route_kernel")
@@ -514,7 +516,7 @@ def main() -> None:
     parser.add_argument("--against", metavar="FILE",
                         help="check: compare the counts with this snapshot; exit status 1 on any difference")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (_CONV_TAPS False; gdn_decode-7)")
+    parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (Tiling.conv_taps False; gdn_decode-7)")
     parser.add_argument("--model", help="router: deepseek-v3.2 (default), minimax-m2.5 or qwen3.5; gqa: minimax-m2.5 "
                                             "(default) or qwen3.5")  # fmt: skip
     parser.add_argument("--knob", action="append", default=[], help="router: NAME=VALUE (int or str), a kernels/moe_route.py knob")

@@ -133,7 +133,7 @@ def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, strid
     x load and the taps' load, and ptxas moves no load above that bar.sync, so every conv costs two
     dependent round trips more; vectors keep the loads together (model: -0.3 to -1.7 us at one
     sequence). Measured (H200, session 15, gdn_decode-8): 7.78 -> 6.87 us at one sequence, 3-8%
-    faster at 8-256 too (bench/NOTES.md); the default where K == W == 4 (``_CONV_TAPS``)."""
+    faster at 8-256 too (bench/NOTES.md); the default where K == W == 4 (``Tiling.conv_taps``)."""
     tl.static_assert(K == 4 and W == 4)
     x = round_trip(upcast(tl.load(X_ROW + chan, mask=cmask, other=0.0)), CONV_DTYPE)
     s = STATE + chan * stride_cs_c  # with W == K, tap i < K - 1 is state column i + 1
@@ -342,12 +342,17 @@ def _gdn_decode_kernel(
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """How a value head's DV columns are spread: ``split`` programs per head, each updating
-    ``chunks`` blocks of ``block_v`` columns in turn."""
+    ``chunks`` blocks of ``block_v`` columns in turn. ``conv_taps``: the conv as per-tap vectors
+    where the kernel and the state width are 4 (``_conv_taps``; the [C, K] tile form elsewhere,
+    and everywhere with False: the A/B form). gdn_decode-8 made taps the default after an H200
+    A/B (bench/gdn_decode.py, Qwen3.5's dims, CUDA-graph us, tile -> taps): 7.78 -> 6.87 at 1
+    sequence, 27.8 -> 25.5 at 8, 181.4 -> 173.6 at 64, 707 -> 676 at 256."""
 
     block_v: int
     chunks: int = 1
     split: int = 1
     num_warps: int = 4
+    conv_taps: bool = True
 
 
 def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
@@ -366,13 +371,6 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     # fastest at 2 warps (28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, session 6).
     warps = 2 if block_v == 32 and split <= 2 else 4
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
-
-
-# The conv as per-tap vectors where the kernel and the state width are 4 (``_conv_taps``; the
-# [C, K] tile form elsewhere). gdn_decode-8 made it the default after session 15's H200 A/B
-# (bench/gdn_decode.py, Qwen3.5's dims, CUDA-graph us, tile -> taps): 7.78 -> 6.87 at 1 sequence,
-# 27.8 -> 25.5 at 8, 181.4 -> 173.6 at 64, 707 -> 676 at 256. False restores the tile form (A/B).
-_CONV_TAPS = True
 
 
 # Arrival counters per device, one per (row, key head). The last
@@ -449,7 +447,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             SPLIT=tile.split,
             K=kernel, K_PAD=triton.next_power_of_2(kernel), W=width, W_PAD=triton.next_power_of_2(width),
             ACT=_TL_DTYPES[mixed_qkv.dtype], CONV_DTYPE=_TL_DTYPES[conv_weight.dtype], NORM_DTYPE=norm_dtype,
-            CONV_TAPS=bool(_CONV_TAPS and kernel == width == 4), num_warps=tile.num_warps,
+            CONV_TAPS=bool(tile.conv_taps and kernel == width == 4), num_warps=tile.num_warps,
         )
 
     launch_on_device(mixed_qkv, _launch)

@@ -79,12 +79,12 @@ def _make(c):
     ]  # fmt: skip
 
 
-def _tiling(value_dim, block_v, split):
+def _tiling(value_dim, block_v, split, conv_taps=True):
     """None (the launcher's choice) or ``split`` programs a head looping over block_v columns."""
     if block_v is None:
         return None
     blocks = -(-value_dim // block_v)
-    return K.Tiling(block_v, chunks=-(-blocks // split), split=split, num_warps=2)
+    return K.Tiling(block_v, chunks=-(-blocks // split), split=split, num_warps=2, conv_taps=conv_taps)
 
 
 def _step(args, dtype, tile=None):
@@ -171,18 +171,17 @@ def test_counters_are_left_at_zero(block_v, split):
 
 # An A/B knob: the tile form at one block a head in CI (it is shipped where kernel or width is not 4).
 @pytest.mark.parametrize("block_v, split", [(32, 1)] + [pytest.param(8, s, marks=pytest.mark.nightly) for s in (1, 2, 4)])
-def test_conv_as_a_tile_matches_reference_where_taps_apply(monkeypatch, block_v, split):
-    """The A/B form of the conv (``_CONV_TAPS`` False: the [C, K] tile even where kernel and state
+def test_conv_as_a_tile_matches_reference_where_taps_apply(block_v, split):
+    """The A/B form of the conv (``Tiling.conv_taps`` False: the [C, K] tile even where kernel and state
     width are 4, whose default is per-tap vectors) against the reference: conv state bit-equal,
     recurrent state and output close, padding rows zero and every other slot untouched; one block
     a head, several, and split heads."""
-    monkeypatch.setattr(K, "_CONV_TAPS", False)
     c = dict(tokens=3, key_heads=2, ratio=2, key_dim=16, value_dim=32, kernel=4, extra_width=1,
              dtype=torch.bfloat16, weight_3d=True, transposed_conv_state=split == 2, seed=7 + split)  # fmt: skip
     args = _make(c)
     args[12] = torch.tensor([3, -1, 0], device=DEVICE)
     before = [args[10].clone(), args[11].clone()]
-    out, ref = _step(args, c["dtype"], _tiling(32, block_v, split))
+    out, ref = _step(args, c["dtype"], _tiling(32, block_v, split, conv_taps=False))
     _assert_out_close(out, ref, c["dtype"])
     assert torch.equal(out[1], torch.zeros_like(out[1])), "padding row"
     for untouched in (1, 2, 4):
