@@ -50,6 +50,12 @@ class Mutation:
     device: str = "cpu"  # "cuda": the fault shows only on a GPU run
 
 
+# Faults that two tests must each catch: (file, old, new), shared by their rows.
+_GQA_WRITES_PADDING_SLOT = ("fusion_compiler/kernels/gqa_prologue.py",
+                            "    mask = (h < kv_heads) & lane_ok & (slot >= 0)", "    mask = (h < kv_heads) & lane_ok")
+_STALE_COPIED_INPUTS = ("fusion_compiler/cudagraph.py", "            buffer.copy_(_distinct_elements(args[i]))",
+                        "            pass")
+
 MUTATIONS = [
     # -- empty inputs launch nothing (tests count launches with tests/launch_counter.py) --
     Mutation("rms_norm_empty_guard", "fusion_compiler/kernels/rms_norm.py",
@@ -112,11 +118,9 @@ MUTATIONS = [
              '        return "an empty context (C = 0)"', '        return "unsupported"',
              "tests/kernels/test_paged_decode_attention.py::test_unsupported_arguments_are_named"),
     # -- GPU tier (issue 25; run with --device cuda on the H200, fla-core installed) --
-    Mutation("gqa_writes_padding_slot", "fusion_compiler/kernels/gqa_prologue.py",
-             "    mask = (h < kv_heads) & lane_ok & (slot >= 0)", "    mask = (h < kv_heads) & lane_ok",
+    Mutation("gqa_writes_padding_slot", *_GQA_WRITES_PADDING_SLOT,
              "tests/gpu/test_gqa_prologue_gpu.py::test_prologue_matches_float64[minimax-300-paged-fp8]", device="cuda"),
-    Mutation("gqa_writes_padding_slot_step_graph", "fusion_compiler/kernels/gqa_prologue.py",
-             "    mask = (h < kv_heads) & lane_ok & (slot >= 0)", "    mask = (h < kv_heads) & lane_ok",
+    Mutation("gqa_writes_padding_slot_step_graph", *_GQA_WRITES_PADDING_SLOT,
              "tests/gpu/test_cudagraph_gpu.py::test_replays_equal_eager_over_many_steps", device="cuda"),
     Mutation("gqa_cache_row_one_late", "fusion_compiler/kernels/gqa_prologue.py",
              "    slot = tl.maximum(slot, 0)", "    slot = tl.maximum(slot, 0) + 1",
@@ -140,11 +144,9 @@ MUTATIONS = [
              "    return LaunchPlan((tokens * triton.cdiv(n, config.block_n),), config.block_n, block_k, config.warps)",
              "    return LaunchPlan((tokens * (n // config.block_n),), config.block_n, block_k, config.warps)",
              "tests/gpu/test_skinny_gemm_gpu.py::test_hypothesis_shapes_match_float64", device="cuda"),
-    Mutation("step_graph_stale_copied_inputs", "fusion_compiler/cudagraph.py",
-             "            buffer.copy_(_distinct_elements(args[i]))", "            pass",
+    Mutation("step_graph_stale_copied_inputs", *_STALE_COPIED_INPUTS,
              "tests/gpu/test_backend_gpu.py::test_compiled_graph_with_fused_ops_captures_in_a_cuda_graph", device="cuda"),
-    Mutation("step_graph_stale_copied_inputs_hf", "fusion_compiler/cudagraph.py",
-             "            buffer.copy_(_distinct_elements(args[i]))", "            pass",
+    Mutation("step_graph_stale_copied_inputs_hf", *_STALE_COPIED_INPUTS,
              "tests/gpu/test_backend_gpu.py::test_tiny_hf_model_fuses_and_matches_eager_on_cuda[qwen3.5]", device="cuda"),
 ]
 

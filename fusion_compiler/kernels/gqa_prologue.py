@@ -52,10 +52,10 @@ KERNEL_VERSION = "gqa_prologue-14"
 # latency is the time); above, ~BLOCK_LANES_* lanes a block (many programs: registers per program
 # decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
 # token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
-# tokens against 35 / 40 / 30%; 2048 lanes (session 12) 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's
-# pieces (4096 tokens, 4 warps): 2048 lanes best for MiniMax's full-width norm (89.4 / 80.5%,
-# session 13), 1024 for Qwen3.5's per-head norm (86.6 and 85.3% in two runs against 77.4-79.2%
-# at 2048, sessions 13 and 14). Benches and tests time other sizes through GqaPrologueConfig.
+# tokens against 35 / 40 / 30%; 2048 lanes 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's pieces
+# (4096 tokens, 4 warps): 2048 lanes best for MiniMax's full-width norm (89.4 / 80.5%), 1024 for
+# Qwen3.5's per-head norm (86.6 and 85.3% in two runs against 77.4-79.2% at 2048). Benches and
+# tests time other sizes through GqaPrologueConfig.
 WHOLE_TILES_UP_TO = 256
 BLOCK_LANES_FULL_WIDTH_NORM = 2048
 BLOCK_LANES_PER_HEAD_NORM = 1024

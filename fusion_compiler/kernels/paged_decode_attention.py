@@ -62,7 +62,7 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # Programs to aim for: 2 per SM of an H200. A paged tile waits on its slots before its K rows
 # (two dependent loads, where the dense kernel has one), so more programs keep more in flight:
-# H200 (session 12, bench/diagnostics/paged_attention_check.py --split-factors), MiniMax 48 / 8 heads at 1
+# H200 (bench/diagnostics/paged_attention_check.py --split-factors), MiniMax 48 / 8 heads at 1
 # token 17.9 -> 16.4 us (17 -> 33 splits), at 8 tokens 68.9 -> 48.6 us (3 -> 6); Qwen3.5 32 / 2
 # unchanged (its splits are capped by the tiles at 1 token; 39.6 -> 40.6 us at 8).
 TARGET_PROGRAMS = 2 * 132

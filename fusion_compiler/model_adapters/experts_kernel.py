@@ -52,7 +52,7 @@ _TARGET_PROGRAMS = 2 * 132
 _MAX_BLOCK_N = 16
 _TILE_ELEMENTS = {"gate_up": 4096}
 # The down kernel: 2 rows x 1024 wide at 2 warps was the best or within 2% of it in every H200
-# sweep (session 12, bench/diagnostics/experts_check.py; MiniMax / Qwen3.5 / DeepSeek at 1 and 8 tokens:
+# sweep (bench/diagnostics/experts_check.py; MiniMax / Qwen3.5 / DeepSeek at 1 and 8 tokens:
 # e.g. DeepSeek at 1 token 56.3 µs against 69.6 for the first default, 16 x 512 at 4 warps;
 # MiniMax's I 1536 with a masked half step, 21.3 against 22.0 for 4 x 512).
 _DOWN_BLOCK_N = 2

@@ -193,7 +193,7 @@ def routed_experts(
 # floor (H200, MiniMax: ~110 us for 226 MB, floor ~54 us). The small-batch kernels read one
 # expert per pair, so a repeated expert is read again (from L2 if lucky): at 128 pairs of 256
 # experts ~20% are repeats, and by 64 tokens most experts are hit and the grouped GEMM reads
-# each once at its floor. H200 (session 12, bench/diagnostics/experts_check.py, µs small-batch vs grouped):
+# each once at its floor. H200 (bench/diagnostics/experts_check.py, µs small-batch vs grouped):
 # MiniMax 59.8 vs 156.9 at 1 token, 782 vs 1093 at 16 (128 pairs); Qwen3.5 66.0 vs 170.3 at 1,
 # 871 vs 1330 at 16 (160 pairs); DeepSeek 181 vs 351 at 1, 2408 vs 3128 at 16. So up to 16 tokens
 # of every model; past that not measured (the grouped path stays).
