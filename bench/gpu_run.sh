@@ -14,7 +14,7 @@
 #                            holds fla-core, which the gdn family's lowering "fla" runs and the
 #                            device lacks, and einops (installed only if the device has none). The
 #                            tier must end with 0 skipped. KERNELS_SECONDS, STEP_GRAPHS_SECONDS and
-#                            GENERATE_SECONDS (220 / 160 / 180) bound the groups: at 5e287f6 one
+#                            GENERATE_SECONDS (220 / 160 / 180) bound the groups: at 0d0a7f2 one
 #                            400 s pytest over the whole tier was cut off after 25 of 179 tests and
 #                            printed no failure.
 # The user's path, HF generate() (issue 24; results in $OUT):

@@ -88,7 +88,7 @@ def main() -> None:
         "- **gpu** (`make gpu-test` on the H200) and **vllm** (`make test-vllm`).",
         "",
         "On this project's 2-core machine (December 2026), the CI tier took 6.0 to 9.2 min under `make test`",
-        "(two pytest-xdist workers; 9:10 for 715 tests in a fresh clone at 10eb010, the whole `.ci/run`",
+        "(two pytest-xdist workers; 9:10 for 715 tests in a fresh clone at b86f2da, the whole `.ci/run`",
         "788 s) and 8.5 min in one process; `make test-nightly` 7.7 min. Before the split the same",
         "machine, busier, took 23 min for the CPU tier in one process (the last landing's `.ci/run`: 1464 s).",
         "",

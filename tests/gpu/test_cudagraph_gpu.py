@@ -106,7 +106,7 @@ def test_replays_equal_eager_over_many_steps():
                 want = model(**inputs, **eager_caches)
             worst = max(worst, relative_error(got, want))
             # Two layers of bf16, rounded where plain torch rounds against our fp32-inside kernels:
-            # 0.022 at step 0 on the H200 (5e287f6). A dropped or stale row is off by O(1).
+            # 0.022 at step 0 on the H200 (0d0a7f2). A dropped or stale row is off by O(1).
             assert worst < 3e-2, (step, tokens, worst)
             _assert_cache_rows(caches, before, eager_caches, inputs["slots"], step)
             buckets_used.add(next(b for b in graphs.config.cudagraph_buckets if b >= tokens))
