@@ -6,17 +6,22 @@
 # provenance. Every pytest log is grepped for FAILED / E lines.
 #
 # The GPU tier (issue 25):
-#   tier                     carry ["wheels"]: every test marked gpu, in three groups (kernels at
-#                            real widths, the backend's step graphs, HF generate()), each its own
-#                            pytest run and $OUT/gpu_<group>.log, so a call cut short still leaves
-#                            every finished group's report. wheels/ (git-ignored; fill it here with
-#                            `pip download fla-core==0.6.0 einops==0.8.2 --no-deps -d wheels/`)
-#                            holds fla-core, which the gdn family's lowering "fla" runs and the
-#                            device lacks, and einops (installed only if the device has none). The
-#                            tier must end with 0 skipped. KERNELS_SECONDS, STEP_GRAPHS_SECONDS and
-#                            GENERATE_SECONDS (220 / 160 / 180) bound the groups: at 0d0a7f2 one
-#                            400 s pytest over the whole tier was cut off after 25 of 179 tests and
-#                            printed no failure.
+#   tier [GROUP...]          carry [".gpu_snap"] with wheels/ in it: every test marked gpu, in
+#                            three groups (kernels: kernels at real widths; step_graphs: the
+#                            backend's step graphs; generate: HF generate()), each its own pytest
+#                            run and $OUT/gpu_<group>.log, so a call cut short still leaves every
+#                            finished group's report; GROUP names some of them (default all). The
+#                            two HF-model groups run side by side over HF_WORKERS (4) xdist workers.
+#                            wheels/ (git-ignored; fill it with `pip download fla-core==0.6.0
+#                            einops==0.8.2 --no-deps -d wheels/`) holds fla-core, which the gdn
+#                            family's lowering "fla" runs and the device lacks. It goes on
+#                            PYTHONPATH for the kernels group only: with fla importable, HF's
+#                            Qwen3.5 runs fla's delta-rule kernel instead of the torch code the
+#                            HF-model tests exercise. The tier must end with 0 skipped.
+#                            KERNELS_SECONDS / STEP_GRAPHS_SECONDS / GENERATE_SECONDS (220 / 300 /
+#                            300) bound the groups (kernels took 135 s at e6895dd).
+#   mutations [ARGS...]      bench/mutations.py --device cuda (baselines and faults, MUTATION_JOBS
+#                            at once) into $OUT/mutations_cuda_h200_<commit>.md; ARGS e.g. --only
 # The user's path, HF generate() (issue 24; results in $OUT):
 #   generate-checks [END_SECONDS MODEL]
 #                            the GPU tier in one run, then the kernels changed for issue 24 on CUDA;
@@ -100,20 +105,38 @@ tier)
   R=$OUT
   source bench/device_setup.sh "$R/setup"
   echo "commit ${FUSION_COMMIT:-unknown} dirty ${FUSION_DIRTY:-unknown}" | tee -a "$R/setup/versions.log"
-  python3 -m pip install -q --no-index --no-deps wheels/fla_core-*.whl > "$R/setup/wheels.log" 2>&1 \
-    || { cat "$R/setup/wheels.log"; exit 1; }
-  python3 -c "import einops" 2> /dev/null \
-    || python3 -m pip install -q --no-index --no-deps wheels/einops-*.whl >> "$R/setup/wheels.log" 2>&1 \
-    || { cat "$R/setup/wheels.log"; exit 1; }
-  python3 -c "import fla, einops; print('fla-core', fla.__version__, 'einops', einops.__version__)" 2>&1 \
-    | grep -v -i warn | tee -a "$R/setup/versions.log"
+  groups=${*:-kernels step_graphs generate}
+  FLA=$R/setup/fla_site  # fla-core on PYTHONPATH for the kernels group only (the header says why)
+  python3 -m pip install -q --no-index --no-deps --target "$FLA" wheels/fla_core-*.whl wheels/einops-*.whl \
+    > "$R/setup/wheels.log" 2>&1 || { cat "$R/setup/wheels.log"; exit 1; }
+  PYTHONPATH=$FLA python3 -c "import fla, einops; print('fla-core', fla.__version__, 'einops', einops.__version__)" \
+    2>&1 | grep -v -i warn | tee -a "$R/setup/versions.log"
+  python3 -c "import fla" 2> /dev/null && { echo "fla is installed site-wide: HF's Qwen3.5 would run its kernels"; exit 1; }
   KERNEL_FILES=$(ls tests/gpu/test_*_gpu.py | grep -v -E "test_(backend|cudagraph|generate)_gpu.py")
+  XDIST=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${HF_WORKERS:-4}")
   status=0
-  run_group kernels "${KERNELS_SECONDS:-220}" tests/kernels tests/ops tests/model_adapters $KERNEL_FILES
-  run_group step_graphs "${STEP_GRAPHS_SECONDS:-160}" tests/gpu/test_backend_gpu.py tests/gpu/test_cudagraph_gpu.py
-  run_group generate "${GENERATE_SECONDS:-180}" tests/gpu/test_generate_gpu.py
+  case " $groups " in *" kernels "*)
+    PYTHONPATH=$FLA run_group kernels "${KERNELS_SECONDS:-220}" tests/kernels tests/ops tests/model_adapters $KERNEL_FILES;;
+  esac
+  # The HF-model groups side by side, each over $HF_WORKERS pytest workers where xdist is installed.
+  pids=()
+  for g in step_graphs generate; do
+    case " $groups " in *" $g "*) ;; *) continue;; esac
+    [ $g = step_graphs ] && paths="tests/gpu/test_backend_gpu.py tests/gpu/test_cudagraph_gpu.py" limit=${STEP_GRAPHS_SECONDS:-300}
+    [ $g = generate ] && paths="tests/gpu/test_generate_gpu.py" limit=${GENERATE_SECONDS:-300}
+    ( status=0; run_group $g "$limit" $XDIST $paths > "$R/gpu_$g.summary"; exit $status ) &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  cat "$R"/gpu_*.summary 2> /dev/null
   echo "skipped: $(cat "$R"/gpu_*.log | grep -c -E "SKIPPED")"
   exit $status
+  ;;
+mutations)
+  R=$OUT
+  source bench/device_setup.sh "$R/setup"
+  timeout "${MUTATIONS_SECONDS:-540}" python3 bench/mutations.py --device cuda --jobs "${MUTATION_JOBS:-6}" \
+    --timeout 420 --out "$R/mutations_cuda_h200_${FUSION_COMMIT:-unknown}.md" "$@" 2>&1 | grep -v -i warn | tail -n 20
   ;;
 generate-checks)
   R=$OUT
@@ -221,7 +244,7 @@ gqa-tp)
   pack tp_results
   ;;
 *)
-  echo "usage: bash bench/gpu_run.sh PHASE [ARGS...]; phases: tier generate-checks generate-bench decode" \
+  echo "usage: bash bench/gpu_run.sh PHASE [ARGS...]; phases: tier mutations generate-checks generate-bench decode" \
     "decode-checks inspect dsa gated kernels moe moe-ab moe-tail moe-variants gdn gqa-tp (see the header)" >&2
   exit 2
   ;;

@@ -4,7 +4,7 @@ copy, the baseline).
 
     .venv/bin/python bench/mutations.py                     # every CPU row -> bench/results/mutations_cpu.md
     .venv/bin/python bench/mutations.py --only mla_kv_zero_tokens_guard div_rn_by_no_correction
-    .venv/bin/python bench/mutations.py --device cuda       # the GPU rows, on a CUDA machine
+    .venv/bin/python bench/mutations.py --device cuda --jobs 6   # the GPU rows, on a CUDA machine
 
 How a row runs: fusion_compiler/ is copied to a temp dir (never edited in place: others run tests
 against the tree), ``old`` is replaced by ``new`` in ``file`` (``old`` must occur exactly once),
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip running each test on an unmodified copy")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the temp copies")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest runs at once")
     parser.add_argument("--out", help="markdown path (default bench/results/mutations_<device>.md)")
     args = parser.parse_args(argv)
 
@@ -268,21 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or ()) - set(names)
     if unknown:
         parser.error(f"unknown rows: {sorted(unknown)}")
-    baselines: dict[str, Outcome] = {}
-    rows = []
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"mutations_{args.device}.md"
-    for m in chosen:
-        base = None
-        if not args.no_baseline:
-            if m.test not in baselines:
-                baselines[m.test] = run_on_copy(None, m.test, args.device, args.timeout, args.keep)
-            base = baselines[m.test]
-        outcome = run_on_copy(m, m.test, args.device, args.timeout, args.keep)
-        if base is not None and base.result != "passes" and outcome.result == "PASS-as-expected-fail":
-            outcome.result = "BASELINE-FAILS"
-        print(f"{m.name:42} {outcome.result:22} {outcome.seconds:6.1f} s  {_cell(outcome.detail, 120)}", flush=True)
-        rows.append((m, outcome, base))
-        write_markdown(out, args.device, rows, argv)  # after every row: a call cut short keeps what ran
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each run is its own pytest process
+        tests = [] if args.no_baseline else list(dict.fromkeys(m.test for m in chosen))
+        baselines = {t: pool.submit(run_on_copy, None, t, args.device, args.timeout, args.keep) for t in tests}
+        faults = [pool.submit(run_on_copy, m, m.test, args.device, args.timeout, args.keep) for m in chosen]
+        rows = []
+        for m, future in zip(chosen, faults):  # in row order; the file is rewritten after every row
+            outcome, base = future.result(), baselines[m.test].result() if m.test in baselines else None
+            if base is not None and base.result != "passes" and outcome.result == "PASS-as-expected-fail":
+                outcome.result = "BASELINE-FAILS"
+            print(f"{m.name:42} {outcome.result:22} {outcome.seconds:6.1f} s  {_cell(outcome.detail, 120)}", flush=True)
+            rows.append((m, outcome, base))
+            write_markdown(out, args.device, rows, argv)  # a call cut short keeps what ran
     print(f"wrote {out}")
     return 0 if all(o.result == "PASS-as-expected-fail" for _, o, _ in rows) else 1
 
