@@ -10,7 +10,9 @@ ours is on both sides.
 After every step: the output agrees with eager's (3e-2: two bf16 layers); in every layer's K and V
 cache each row written this step (the live slots) is close to eager's row, element-wise, and
 every other row is bit-equal to what it held before the step (padding rows, the bucket's padded
-rows and stale slots included). There must be exactly one graph per bucket used, each with
+rows and stale slots included). Layer 0's rows come from the same inputs on both sides (2**-6);
+layer 1's from a hidden state that already carries layer 0's rounding differences (2**-4: one
+element 6% off at step 20 on the H200, b7d9574). A dropped or stale row is off by O(1). There must be exactly one graph per bucket used, each with
 kernel nodes read from the captured graph.
 """
 
@@ -70,7 +72,8 @@ def _assert_cache_rows(caches, before, eager_caches, slots, step):
             what = f"step {step}: {name}[{layer}]"
             assert torch.equal(rows[untouched].view(torch.int16), old_rows[untouched].view(torch.int16)), (
                 f"{what}: a row outside this step's slots changed")  # fmt: skip
-            assert_rows_close(rows[live].flatten(1), eager_rows[live].flatten(1), 2**-6, f"{what}: written rows")
+            rtol = 2**-6 if layer == 0 else 2**-4  # the docstring says why
+            assert_rows_close(rows[live].flatten(1), eager_rows[live].flatten(1), rtol, f"{what}: written rows")
 
 
 @requires_cuda
