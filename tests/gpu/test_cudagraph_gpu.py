@@ -10,10 +10,15 @@ ours is on both sides.
 After every step: the output agrees with eager's (3e-2: two bf16 layers); in every layer's K and V
 cache each row written this step (the live slots) is close to eager's row, element-wise, and
 every other row is bit-equal to what it held before the step (padding rows, the bucket's padded
-rows and stale slots included). Layer 0's rows come from the same inputs on both sides (2**-6);
-layer 1's from a hidden state that already carries layer 0's rounding differences (2**-4: one
-element 6% off at step 20 on the H200, b7d9574). A dropped or stale row is off by O(1). There must be exactly one graph per bucket used, each with
+rows and stale slots included). There must be exactly one graph per bucket used, each with
 kernel nodes read from the captured graph.
+
+Written rows are compared element-wise at 2**-3 of ``|eager| + the row's rms``. The projections
+run as different GEMMs on the two sides (the bucket's padded rows against B rows), and 1-2 bf16
+ulps of a pre-RoPE element at 4x the rms (2**-6 of the rms each) survive a rotation that cancels
+it to a small value: layer 0 0.101 vs 0.083, layer 1 (whose input carries layer 0's differences
+too) 0.326 vs 0.348, in rows of rms ~1 (H200, b7d9574 and 5f65823). A dropped, stale or
+misplaced row is off by O(1) of the rms in nearly every element.
 """
 
 from __future__ import annotations
@@ -72,8 +77,7 @@ def _assert_cache_rows(caches, before, eager_caches, slots, step):
             what = f"step {step}: {name}[{layer}]"
             assert torch.equal(rows[untouched].view(torch.int16), old_rows[untouched].view(torch.int16)), (
                 f"{what}: a row outside this step's slots changed")  # fmt: skip
-            rtol = 2**-6 if layer == 0 else 2**-4  # the docstring says why
-            assert_rows_close(rows[live].flatten(1), eager_rows[live].flatten(1), rtol, f"{what}: written rows")
+            assert_rows_close(rows[live].flatten(1), eager_rows[live].flatten(1), 2**-3, f"{what}: written rows")
 
 
 @requires_cuda
