@@ -8,27 +8,25 @@ import json
 from collections.abc import Mapping
 from types import MappingProxyType
 
-# Families in the order the pass runs them. Bigger fusions go *before* "add_rms_norm": they
-# take their norms, and the norm family gets what is left. "gqa_prologue" goes before
-# "mla_prologue": both anchor on RoPE, and a GQA site's RoPEs are not MLA candidates. "gdn"
-# takes the Qwen3.5 gated norm (rms(o) * w * silu(z)) that ends each GDN site; "gated_rms_norm"
-# takes that norm where no GDN site does (vLLM's opaque GDN core, HF's prefill).
-FAMILY_ORDER: tuple[str, ...] = (
-    "gqa_prologue", "mla_prologue", "moe_routing", "gdn", "gated_rms_norm", "add_rms_norm"
-)
+from .stages import FAMILY, GRAPH_PASS, STAGES, of_kind
+
+# Families in the order the pass runs them (stages.STAGES says why that order).
+FAMILY_ORDER: tuple[str, ...] = tuple(stage.name for stage in of_kind(FAMILY))
 
 # Rewrites keyed on the graph alone, outside the families' pattern registry, in the order they
 # run after the families; each is a bool field of FusionConfig of the same name. Their sites are
 # reported like a family's, and may be expected.
-GRAPH_PASSES: tuple[str, ...] = ("dsa_topk_mask", "decode_attention")
+GRAPH_PASSES: tuple[str, ...] = tuple(stage.name for stage in of_kind(GRAPH_PASS))
 
 LOWERINGS: tuple[str, ...] = ("triton", "inductor", "off")
 """triton: our hand-written kernel; inductor: a canonical decomposition Inductor
 fuses itself; off: the family does not run (its sites are not reported either)."""
 
-FAMILY_LOWERINGS: Mapping[str, tuple[str, ...]] = MappingProxyType({"gdn": ("fla",)})
-"""Lowerings only some families have, on top of LOWERINGS. gdn's "fla": the site's op on
-fla-core's kernels (kernels/gdn_fla.py; needs ``pip install fla-core``)."""
+FAMILY_LOWERINGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {stage.name: tuple(lowering for lowering, _ in stage.lowerings) for stage in of_kind(FAMILY) if stage.lowerings}
+)
+"""Lowerings only some families have, on top of LOWERINGS (stages.STAGES: gdn's "fla", the
+site's op on fla-core's kernels)."""
 
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -129,7 +127,7 @@ class FusionConfig:
         return self.families.get(family, self.default_lowering)
 
     def disabled_graph_passes(self) -> tuple[str, ...]:
-        return tuple(name for name in GRAPH_PASSES if not getattr(self, name))
+        return tuple(stage.name for stage in of_kind(GRAPH_PASS) if not stage.enabled(self))
 
     def enabled_families(self) -> tuple[str, ...]:
         return tuple(f for f in FAMILY_ORDER if self.lowering(f) != "off")
@@ -146,10 +144,8 @@ class FusionConfig:
     def cache_key(self) -> str:
         """What of the config changes the compiled graph (expectations and verify do not)."""
         key = {f: self.lowering(f) for f in FAMILY_ORDER}
-        key["horizontal_merge"] = self.horizontal_merge
-        key["merge_projections"] = self.merge_projections
-        key["skinny_gemm"] = self.skinny_gemm
-        key.update({name: getattr(self, name) for name in GRAPH_PASSES})
+        for stage in STAGES:
+            key.update({name: getattr(self, name) for name in (stage.flag, *stage.options) if name})
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 

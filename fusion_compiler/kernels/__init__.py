@@ -2,22 +2,18 @@
 
 import importlib
 
+from ..stages import STAGES
+
 KERNEL_VERSIONS: dict[str, str] = {}
 
-# A family (or lowering, or graph pass) -> the kernel modules whose KERNEL_VERSIONs it runs.
-_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
-    "add_rms_norm": ("rms_norm",),
-    "gated_rms_norm": ("rms_norm",),  # the same kernel, gated
-    "mla_prologue": ("mla_kv_prologue", "mla_q_prologue"),
-    "moe_routing": ("moe_route",),
-    "gqa_prologue": ("gqa_prologue",),
-    "gdn_decode": ("gdn_decode",),
-    "gdn": ("gdn_decode",),  # the family's name (patterns/gdn.py)
-    "gdn_fla": ("gdn_fla",),  # the family's lowering "fla"
-    "decode_attention": ("decode_attention",),
-    "dsa_topk_mask": ("dsa_topk_mask",),
-    "merge_projections": ("skinny_gemm",),  # merged_linear's small-M path
-}
+# A stage (stages.STAGES) -> the kernel modules whose KERNEL_VERSIONs it runs; and each of those
+# modules (a family's own lowering's too, e.g. gdn's "fla": gdn_fla) -> itself.
+_KERNEL_MODULES: dict[str, tuple[str, ...]] = {stage.name: stage.kernels for stage in STAGES if stage.kernels}
+_KERNEL_MODULES.update(
+    (module, (module,))
+    for stage in STAGES
+    for module in (*stage.kernels, *(m for _, mods in stage.lowerings for m in mods))
+)
 
 
 def _register_versions() -> None:

@@ -162,3 +162,8 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
         site.status, site.variant = "matched", "repeat_kv" if sources[0][1] != heads else "heads"
         sites.append(site)
     return sites
+
+
+def run(graph: torch.fx.Graph, config) -> list[Site]:
+    """The pipeline's stage (stages.STAGES)."""
+    return fuse_decode_attention(graph)

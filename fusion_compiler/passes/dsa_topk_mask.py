@@ -272,3 +272,8 @@ def _variant(mask: torch.fx.Node | None) -> str:
     if mask is None:
         return "no_mask"
     return "bool_mask" if mask.meta["val"].dtype == torch.bool else "additive_mask"
+
+
+def run(graph: torch.fx.Graph, config) -> list[Site]:
+    """The pipeline's stage (stages.STAGES)."""
+    return fuse_dsa_topk_masks(graph)

@@ -10,29 +10,16 @@ from pathlib import Path
 import torch
 
 from .. import _compat
-from ..config import FAMILY_ORDER, GRAPH_PASSES, FusionConfig
+from ..config import FAMILY_ORDER, FusionConfig
+from ..module_paths import module_path
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family
+from ..stages import FAMILY, GRAPH_PASS, STAGES, stage_module
 from . import canonicalize as canonicalize_module
-from . import decode_attention as decode_attention_module
-from . import dsa_topk_mask as dsa_topk_mask_module
-from ..module_paths import module_path
 from .explain import chain
-from .horizontal import merge_prologues
-from .merge_projections import merge_projections
-from .rope_gather import fold_rope_gathers
-from .tp_variance import fold_tp_variances
 from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")
-
-
-# config.GRAPH_PASSES by name: each rewrites the graph and returns its sites, matched or missed.
-GRAPH_PASS_RUNS = {
-    "dsa_topk_mask": dsa_topk_mask_module.fuse_dsa_topk_masks,
-    "decode_attention": decode_attention_module.fuse_decode_attention,
-}
-assert tuple(GRAPH_PASS_RUNS) == GRAPH_PASSES, "one run per config.GRAPH_PASSES entry, in its order"
 
 
 class MissedSiteError(_compat.ReachesCaller):
@@ -45,7 +32,8 @@ class UnknownModuleError(_compat.ReachesCaller, ValueError):
 
 
 class FusionPass(_compat.CustomGraphPass):
-    """Canonicalise, then run each enabled family (order: `config.FAMILY_ORDER`), then clean up.
+    """Canonicalise, then run each enabled stage of the pipeline (`stages.STAGES`, in its
+    order: the families, their folds, the graph passes), then clean up.
 
     Every call appends a `GraphReport` to `self.report`. `uuid()` covers every source file of
     the package, the kernel versions and the config, so Inductor's caches stay correct.
@@ -72,25 +60,16 @@ class FusionPass(_compat.CustomGraphPass):
         # Sites are the model's nodes: a replacement's own nodes (the "inductor" lowering's
         # canonical norms, say) are never candidates for a later family.
         model_nodes = set(graph.nodes)
-        for family_name in self.config.enabled_families():
-            for family in self.families_for(family_name):
-                graph_report.sites.extend(self._run(family, self.config.lowering(family_name), graph, model_nodes))
-        if self.config.horizontal_merge and self.config.lowering("mla_prologue") == "triton":
-            graph_report.merged.extend(merge_prologues(graph))
-        if self.config.lowering("gqa_prologue") == "triton":
-            graph_report.folded_rope_gathers = fold_rope_gathers(graph, torch.ops.fusion_compiler.gqa_prologue.default)
-            graph_report.folded_tp_divisions, graph_report.fused_tp_variances = fold_tp_variances(
-                graph, torch.ops.fusion_compiler.gqa_prologue.default, torch.ops.fusion_compiler.gqa_prologue_variance.default
-            )
-        for name in GRAPH_PASSES:
-            if getattr(self.config, name):
-                graph_report.sites.extend(GRAPH_PASS_RUNS[name](graph))
-        if self.config.merge_projections:
-            declined: list = []
-            graph_report.merged_projections, graph_report.skinny_projections = merge_projections(
-                graph, ("cuda",) if self.config.skinny_gemm else (), declined
-            )
-            graph_report.declined_merges = [(mm.name, module_path(mm), why) for mm, why in declined]
+        for stage in STAGES:
+            if not stage.enabled(self.config):
+                continue
+            if stage.kind == FAMILY:
+                for family in self.families_for(stage.name):
+                    graph_report.sites.extend(self._run(family, self.config.lowering(stage.name), graph, model_nodes))
+            elif stage.kind == GRAPH_PASS:
+                graph_report.sites.extend(stage_module(stage).run(graph, self.config))
+            else:
+                graph_report.stage_results[stage.name] = stage_module(stage).run(graph, self.config)
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -140,19 +119,8 @@ class FusionPass(_compat.CustomGraphPass):
         one = MatchReport([graph_report])
         where = f" ({graph_report.pipeline})" if graph_report.pipeline else ""
         log.info("graph %d%s: %s", graph_report.graph_index, where, one.summary())
-        for layer, kind, members in graph_report.merged:
-            log.info("  merged %d %s-prologue sites of %s into one launch", members, kind, layer)
-        if graph_report.merged_projections:
-            log.info("  merged projections of one activation into one GEMM: groups of %s", graph_report.merged_projections)
-        if graph_report.skinny_projections:
-            log.info("  %d lone projection(s) on the skinny GEMM path at small M", graph_report.skinny_projections)
-        if graph_report.folded_rope_gathers:
-            log.info("  folded the RoPE table gather into %d gqa prologue(s)", graph_report.folded_rope_gathers)
-        if graph_report.folded_tp_divisions:
-            log.info("  folded the all-reduced variance division into %d gqa prologue(s), fused %d local-mean pair(s)",
-                     graph_report.folded_tp_divisions, graph_report.fused_tp_variances)
-        for anchor, module, why in graph_report.declined_merges:
-            log.info("  projections of %s (%s) left unmerged: %s", module or "?", anchor, why)
+        for line in one.fold_lines():
+            log.info("  %s", line)
         for site in graph_report.missed():
             log.info("  miss %s at %s: %s", site.family, site.module, site.reason)
         for family, module, expected, found in graph_report.missing_expected():

@@ -282,3 +282,16 @@ def _fake_outputs(node: torch.fx.Node):
     args = torch.fx.node.map_aggregate(node.args, value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
     return _compat.run_with_fake_mode(node.target, args, kwargs)
+
+
+# The pipeline's stage (stages.STAGES): what it reports, empty, and its run and report lines.
+RESULTS = {"merged_launches": []}
+
+
+def run(graph: torch.fx.Graph, config) -> dict:
+    return {"merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in merge_prologues(graph)]}
+
+
+def describe(results: dict) -> list[str]:
+    return [f"merged {m['sites']} {m['kind']}-prologue sites of {m['layer']} into one launch"
+            for m in results["merged_launches"]]

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from ..module_paths import module_path
 from ..ops import merged_linear as merged_ops
 from ..patterns.graph_walk import CASTS, RESHAPES
 
@@ -136,3 +137,23 @@ def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = (
         else:
             merged.append(len(members))
     return merged, singles
+
+
+# The pipeline's stage (stages.STAGES): what it reports, empty, and its run and report lines.
+RESULTS = {"merged_projections": [], "skinny_projections": 0, "declined_merges": []}
+
+
+def run(graph: torch.fx.Graph, config) -> dict:
+    declined: list = []
+    merged, singles = merge_projections(graph, ("cuda",) if config.skinny_gemm else (), declined)
+    return {"merged_projections": merged, "skinny_projections": singles,
+            "declined_merges": [{"anchor": mm.name, "module": module_path(mm), "reason": why} for mm, why in declined]}
+
+
+def describe(results: dict) -> list[str]:
+    merged = results["merged_projections"]
+    lines = [f"merged {sum(merged)} GEMMs of shared activations into {len(merged)} (groups of {merged})"] if merged else []
+    if results["skinny_projections"]:
+        lines.append(f"{results['skinny_projections']} lone projection(s) on the skinny GEMM path at small M")
+    return lines + [f"projections of {d['module'] or '?'} ({d['anchor']}) left unmerged: {d['reason']}"
+                    for d in results["declined_merges"]]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
+from typing import Any
 
 import torch
 
 from ..module_paths import layer_of, normalize_module_path
+from ..stages import FOLD, of_kind, stage_module
 
 @dataclasses.dataclass
 class Site:
@@ -31,20 +33,9 @@ class GraphReport:
     sites: list[Site] = dataclasses.field(default_factory=list)
     expected: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     modules_in_graph: set[str] = dataclasses.field(default_factory=set)
-    # (layer, op kind, sites folded) for every launch the horizontal merge built.
-    merged: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
-    # gqa prologues that read their RoPE table at the positions (passes/rope_gather.py).
-    folded_rope_gathers: int = 0
-    # gqa prologues that divide the all-reduced variances themselves, and pairs of local means
-    # fused into one op before the all-reduce (passes/tp_variance.py).
-    folded_tp_divisions: int = 0
-    fused_tp_variances: int = 0
-    # Sizes of the groups of GEMMs of one activation merged into one (passes/merge_projections.py).
-    merged_projections: list[int] = dataclasses.field(default_factory=list)
-    # Lone projections made the op with one weight (its small-M path is the skinny GEMM kernel).
-    skinny_projections: int = 0
-    # (first GEMM, module, why) of each group of projections merged_linear could not take.
-    declined_merges: list[tuple[str, str | None, str]] = dataclasses.field(default_factory=list)
+    # What each fold (stages.STAGES, kind "fold") reported for this graph, by stage name: e.g.
+    # {"gqa_prologue_rope_gather": {"folded_rope_gathers": 2}}; the names are the stage module's RESULTS.
+    stage_results: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Where the graph was compiled when not by our own backend, e.g. "vllm 0.33.0, compile
     # range [1, 8]" (integrations/vllm.py); empty for our backend.
     pipeline: str = ""
@@ -144,37 +135,52 @@ class MatchReport:
             parts.append(f"{len(unseen)} expected modules in no compiled graph")
         return "; ".join(parts) or "no candidate sites"
 
+    def stage_results(self) -> dict[str, dict[str, Any]]:
+        """Each fold's results (stages.STAGES) summed over graphs, counts added and lists joined;
+        a fold that did not run reports its empty results."""
+        out = {}
+        for stage in of_kind(FOLD):
+            totals = dict(stage_module(stage).RESULTS)
+            for g in self.graphs:
+                for key, value in g.stage_results.get(stage.name, {}).items():
+                    totals[key] = totals[key] + value
+            out[stage.name] = totals
+        return out
+
+    def total(self, key: str) -> Any:
+        """One fold result (a name in some fold's RESULTS), summed over graphs."""
+        return next(results[key] for results in self.stage_results().values() if key in results)
+
+    def fold_lines(self) -> list[str]:
+        """The report's lines for the folds' results, in pipeline order."""
+        return [line for stage, results in zip(of_kind(FOLD), self.stage_results().values())
+                for line in stage_module(stage).describe(results)]
+
+    # Named reads of the fold results callers use (inspect, tests).
     def merges(self) -> list[tuple[str, str, int]]:
         """(layer, op kind, sites folded) of every launch the horizontal merge built."""
-        return [m for g in self.graphs for m in g.merged]
+        return [(m["layer"], m["kind"], m["sites"]) for m in self.total("merged_launches")]
 
     def folded_rope_gathers(self) -> int:
-        return sum(g.folded_rope_gathers for g in self.graphs)
+        return self.total("folded_rope_gathers")
 
     def merged_projections(self) -> list[int]:
-        return [n for g in self.graphs for n in g.merged_projections]
+        return self.total("merged_projections")
 
     def skinny_projections(self) -> int:
-        return sum(g.skinny_projections for g in self.graphs)
+        return self.total("skinny_projections")
 
     def folded_tp_divisions(self) -> int:
-        return sum(g.folded_tp_divisions for g in self.graphs)
+        return self.total("folded_tp_divisions")
 
     def fused_tp_variances(self) -> int:
-        return sum(g.fused_tp_variances for g in self.graphs)
+        return self.total("fused_tp_variances")
 
     def to_dict(self) -> dict:
         return {
             "graphs": len(self.graphs),
             "pipelines": [g.pipeline for g in self.graphs],
-            "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in self.merges()],
-            "folded_rope_gathers": self.folded_rope_gathers(),
-            "merged_projections": self.merged_projections(),
-            "skinny_projections": self.skinny_projections(),
-            "declined_merges": [{"anchor": a, "module": m, "reason": why} for g in self.graphs
-                                for a, m, why in g.declined_merges],  # fmt: skip
-            "folded_tp_divisions": self.folded_tp_divisions(),
-            "fused_tp_variances": self.fused_tp_variances(),
+            **{key: value for results in self.stage_results().values() for key, value in results.items()},
             "matches": self.per_variant(),
             "sites": [dataclasses.asdict(s) | {"layer": s.layer} for s in self.sites],
             "missing_expected": [
@@ -186,21 +192,7 @@ class MatchReport:
 
     def format(self) -> str:
         lines = [self.summary()]
-        for layer, kind, count in self.merges():
-            lines.append(f"  merged {count} {kind}-prologue sites of {layer} into one launch")
-        if self.merged_projections():
-            lines.append(f"  merged {sum(self.merged_projections())} GEMMs of shared activations into "
-                         f"{len(self.merged_projections())} (groups of {self.merged_projections()})")
-        if self.skinny_projections():
-            lines.append(f"  {self.skinny_projections()} lone projection(s) on the skinny GEMM path at small M")
-        for g in self.graphs:
-            for anchor, module, why in g.declined_merges:
-                lines.append(f"  projections of {module or '?'} ({anchor}) left unmerged: {why}")
-        if self.folded_rope_gathers():
-            lines.append(f"  folded the RoPE table gather into {self.folded_rope_gathers()} gqa prologue(s)")
-        if self.folded_tp_divisions():
-            lines.append(f"  folded the all-reduced variance division into {self.folded_tp_divisions()} gqa prologue(s); "
-                         f"fused {self.fused_tp_variances()} pair(s) of local q/k means before the all-reduce")
+        lines += [f"  {line}" for line in self.fold_lines()]
         for g in self.graphs:
             if g.pipeline:
                 fused = ", ".join(f"{n} {v}" for v, n in Counter(s.variant for s in g.matched()).items()) or "nothing"

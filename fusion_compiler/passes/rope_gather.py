@@ -67,3 +67,16 @@ def fold_rope_gathers(graph: torch.fx.Graph, op) -> int:
             })  # fmt: skip
         folded += 1
     return folded
+
+
+# The pipeline's stage (stages.STAGES): what it reports, empty, and its run and report lines.
+RESULTS = {"folded_rope_gathers": 0}
+
+
+def run(graph: torch.fx.Graph, config) -> dict:
+    return {"folded_rope_gathers": fold_rope_gathers(graph, torch.ops.fusion_compiler.gqa_prologue.default)}
+
+
+def describe(results: dict) -> list[str]:
+    n = results["folded_rope_gathers"]
+    return [f"folded the RoPE table gather into {n} gqa prologue(s)"] if n else []

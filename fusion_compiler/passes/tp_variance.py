@@ -92,3 +92,20 @@ def fold_tp_variances(graph: torch.fx.Graph, prologue_op, variance_op) -> tuple[
         divisions += 1
         pairs += _fuse_local_means(q, k, variance_op)
     return divisions, pairs
+
+
+# The pipeline's stage (stages.STAGES): what it reports, empty, and its run and report lines.
+RESULTS = {"folded_tp_divisions": 0, "fused_tp_variances": 0}
+
+
+def run(graph: torch.fx.Graph, config) -> dict:
+    ops = torch.ops.fusion_compiler
+    divisions, pairs = fold_tp_variances(graph, ops.gqa_prologue.default, ops.gqa_prologue_variance.default)
+    return {"folded_tp_divisions": divisions, "fused_tp_variances": pairs}
+
+
+def describe(results: dict) -> list[str]:
+    if not results["folded_tp_divisions"]:
+        return []
+    return [f"folded the all-reduced variance division into {results['folded_tp_divisions']} gqa prologue(s); "
+            f"fused {results['fused_tp_variances']} pair(s) of local q/k means before the all-reduce"]

@@ -1,10 +1,7 @@
-"""Fusion families, by name. Each module holds one family's variants, guard and replacement."""
+"""Fusion families, by name, in the pipeline's order (stages.STAGES). Each family's module holds
+its variants, guard and replacement; its folds sit beside it."""
 
-from .add_rms_norm import FAMILY as ADD_RMS_NORM
-from .gated_rms_norm import FAMILY as GATED_RMS_NORM
-from .gdn import FAMILY as GDN
-from .gqa_prologue import FAMILY as GQA_PROLOGUE
-from .mla_prologue import FAMILY as MLA_PROLOGUE
-from .moe_routing import FAMILY as MOE_ROUTING
+from ..stages import FAMILY, of_kind, stage_module
 
-FAMILIES = {family.name: family for family in (GQA_PROLOGUE, MLA_PROLOGUE, MOE_ROUTING, GDN, GATED_RMS_NORM, ADD_RMS_NORM)}
+FAMILIES = {stage.name: stage_module(stage).FAMILY for stage in of_kind(FAMILY)}
+assert all(name == family.name for name, family in FAMILIES.items()), "a family module's FAMILY is the row's name"

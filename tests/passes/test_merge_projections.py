@@ -147,7 +147,8 @@ def test_a_declined_group_is_in_the_report():
     off = fc.FusionConfig(default_lowering="off", dsa_topk_mask=False, decode_attention=False)
     fusion_pass = fc.FusionPass(off)
     fusion_pass(gm.graph)
-    ((anchor, _, reason),) = fusion_pass.report.graphs[0].declined_merges
+    (declined,) = fusion_pass.report.graphs[0].stage_results["merge_projections"]["declined_merges"]
+    anchor, reason = declined["anchor"], declined["reason"]
     assert "not a 2-D float tensor" in reason
     assert f"({anchor}) left unmerged: the activation" in fusion_pass.report.format()
     assert fusion_pass.report.to_dict()["declined_merges"][0]["reason"] == reason
