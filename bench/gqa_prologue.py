@@ -109,15 +109,14 @@ def compare(ours_out, ours_in, eager_out, eager_in) -> dict:
     return result
 
 
-def _timed(ours, sets, rotations, size, bandwidth, config=None, **knobs) -> tuple[float, float]:
+def _timed(ours, sets, rotations, size, bandwidth, config=None) -> tuple[float, float]:
     """(µs, % of HBM) of ours launched with ``config`` (a ``GqaPrologueConfig``; None: the shipped
-    policy) and the kernel's diagnostic knobs (``_ROLES_RUN``) set to ``knobs``. The op calls the
-    launcher without a config, so inside the compiled region the launcher is bound to ``config``."""
+    policy). The op calls the launcher without a config, so inside the compiled region the
+    launcher is bound to ``config``."""
     from fusion_compiler.kernels import gqa_prologue as kernel
 
-    if config is not None:
-        knobs["gqa_prologue_fwd"] = functools.partial(kernel.gqa_prologue_fwd, config=config)
-    with torch.no_grad(), common.module_knobs(kernel, **knobs):
+    bound = {} if config is None else {"gqa_prologue_fwd": functools.partial(kernel.gqa_prologue_fwd, config=config)}
+    with torch.no_grad(), common.module_knobs(kernel, **bound):
         us = common.graph_time_us(lambda i: ours(**sets[i]), rotations)
     return us, round(100 * size / us / 1e3 / bandwidth, 1)
 
@@ -135,11 +134,8 @@ def _sweep_lanes(ours, sets, rotations, size, bandwidth, lanes_list, warps_list)
     return out
 
 
-# Role sets for ``--sweep-roles``: the shipped grid, k's program also caching v ("kv1"), and two
-# diagnostics that skip roles (kernels/gqa_prologue.py ``_ROLES_RUN``; outputs left incomplete)
-# to see which programs set the time.
-ROLE_SETS = {"shipped": {}, "kv1": {"config": GqaPrologueConfig(kv_one_program=True)}, "q_only": {"_ROLES_RUN": 1},
-             "kv_only": {"_ROLES_RUN": 6}}
+# Role sets for ``--sweep-roles``: the shipped grid, and k's program also caching v ("kv1").
+ROLE_SETS = {"shipped": {}, "kv1": {"config": GqaPrologueConfig(kv_one_program=True)}}
 
 
 def _sweep_roles(ours, sets, rotations, size, bandwidth, names) -> dict:

@@ -125,7 +125,7 @@ def div_rn_by(x, d, TINY_X: tl.constexpr = True):
     theorem: round to nearest, nothing overflowing or underflowing on the way). A handful of
     instructions a lane instead of div.rn's ~20 with its slow-path call: the GQA prologue at
     4096 tokens is bound by instruction issue, and its FP8 cache writes paid for the division
-    (bench/NOTES.md, session 13). The theorem's edges: an infinite q (x / d overflows) and a
+    (bench/NOTES.md, gqa_prologue). The theorem's edges: an infinite q (x / d overflows) and a
     zero result (whose sign the correction can lose) keep q; x below 2**-100 would leave a
     subnormal residual, so with TINY_X it is scaled by 2**64 first and the quotient back (exact
     unless the quotient itself is subnormal). Without TINY_X such x may come out an ulp off a

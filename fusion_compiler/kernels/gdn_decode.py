@@ -23,16 +23,16 @@ after the previous block's stores. ``tiling`` picks the split from the H200 swee
 (bench/diagnostics/gdn_tiling_sweep.py; bench/NOTES.md): one program per head looping over 32- or 64-column
 blocks at 5+ sequences (68% of the copy bandwidth on the state bytes at 256, fla's three
 kernels 62%), and a head split over 4 programs at 1-2 sequences, where 64 programs would leave
-half of the 132 SMs idle. One [Dk, Dv] tile per program (gdn_decode-1) ran at 38%: 64 state
-registers a thread at 8 warps left too few programs resident to keep the loads in flight.
+half of the 132 SMs idle. One [Dk, Dv] tile per program runs at 38%: 64 state registers a
+thread at 8 warps leave too few programs resident to keep the loads in flight.
 
 The gated RMSNorm needs the head's whole o row. One block per row: in registers. Otherwise each
 block's o goes to OUT (exact: OUT has o's dtype, the reference's rounding point) and is read back
 (``.cg``, from L2) and normalised: by the head's only program after a bar.sync, or with split >
 1 by the last program of the whole key head to arrive on its counter (below), which finishes
 the rows of all ``ratio`` heads of the key head at once. So a split row costs one atomic, not
-one for the norm and one for the conv windows (gdn_decode-6 had both, each a ~1 us stall at one
-sequence).
+one for the norm and one for the conv windows (each atomic is a ~1 us stall at one sequence;
+bench/NOTES.md, gdn_decode).
 
 Each program recomputes the conv (K taps, SiLU) of the channels it needs: Dk q channels and
 Dk k channels of its key head h // ratio, and the v channels of its blocks, from the conv state
@@ -128,12 +128,12 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_
 @triton.jit
 def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
                K: tl.constexpr, W: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr):
-    """_conv_channels for K == W == 4 as per-tap [C] vectors, not a [C, K_PAD] tile. Session 14's
-    offline sm_90 SASS (bench/NOTES.md): the tile is reshuffled through shared memory between the
-    x load and the taps' load, and ptxas moves no load above that bar.sync, so every conv costs two
-    dependent round trips more; vectors keep the loads together (model: -0.3 to -1.7 us at one
-    sequence). Measured (H200, session 15, gdn_decode-8): 7.78 -> 6.87 us at one sequence, 3-8%
-    faster at 8-256 too (bench/NOTES.md); the default where K == W == 4 (``Tiling.conv_taps``)."""
+    """_conv_channels for K == W == 4 as per-tap [C] vectors, not a [C, K_PAD] tile. In sm_90
+    SASS the tile is reshuffled through shared memory between the x load and the taps' load, and
+    ptxas moves no load above that bar.sync, so every conv costs two dependent round trips more;
+    vectors keep the loads together, and at one sequence the chain of dependent loads sets the
+    time (bench/NOTES.md, gdn_decode). The default where K == W == 4 (``Tiling.conv_taps`` gives
+    the H200 A/B)."""
     tl.static_assert(K == 4 and W == 4)
     x = round_trip(upcast(tl.load(X_ROW + chan, mask=cmask, other=0.0)), CONV_DTYPE)
     s = STATE + chan * stride_cs_c  # with W == K, tap i < K - 1 is state column i + 1
@@ -344,9 +344,10 @@ class Tiling:
     """How a value head's DV columns are spread: ``split`` programs per head, each updating
     ``chunks`` blocks of ``block_v`` columns in turn. ``conv_taps``: the conv as per-tap vectors
     where the kernel and the state width are 4 (``_conv_taps``; the [C, K] tile form elsewhere,
-    and everywhere with False: the A/B form). gdn_decode-8 made taps the default after an H200
+    and everywhere with False: the A/B form). Taps by default: faster at every batch in the H200
     A/B (bench/gdn_decode.py, Qwen3.5's dims, CUDA-graph us, tile -> taps): 7.78 -> 6.87 at 1
-    sequence, 27.8 -> 25.5 at 8, 181.4 -> 173.6 at 64, 707 -> 676 at 256."""
+    sequence, 27.8 -> 25.5 at 8, 181.4 -> 173.6 at 64, 707 -> 676 at 256 (bench/NOTES.md,
+    gdn_decode)."""
 
     block_v: int
     chunks: int = 1
@@ -367,8 +368,8 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     split = 4 if programs <= 128 else 2 if programs <= 256 else 1
     while blocks % split:
         split //= 2
-    # gdn_decode-7 at 8 sequences: 32-column blocks looped by one or two programs a head are
-    # fastest at 2 warps (28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, session 6).
+    # At 8 sequences 32-column blocks looped by one or two programs a head are fastest at 2
+    # warps (H200: 28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, gdn_decode).
     warps = 2 if block_v == 32 and split <= 2 else 4
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
 

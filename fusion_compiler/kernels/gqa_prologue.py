@@ -17,20 +17,16 @@ rounds ``x * rstd`` before the weight multiply, ``ROUND_ROPE`` each RoPE product
 bf16 ops; those launches compile without FMA contraction, ``_rotated``), so the values match
 eager's bits, not only its tolerance.
 
-History (H200, bench/NOTES.md): gqa_prologue-3 (one program per token holding q, k and v as whole
-tiles) and -4 (three programs per token, whole tiles) reached 30-43% of HBM at 4096 tokens;
--5 walks head blocks to cut each program's registers (58 / 64 / 53% at 4096, but slower at 1-64
-tokens); -6 keeps whole tiles up to 256 tokens; -7 sizes k's and v's tiles by the kv heads, not
-q's (-6's [64, 128] k / v tiles for 8 kv heads cost 2x at 1 token with an FP8 cache); -8 takes a
-tensor-parallel norm's means of squares as inputs (``variance / divisor``, correctly rounded)
-instead of summing its own rows, and adds ``_variance_kernel``, the means on the other side of
-that all-reduce; -9 unrolls the full-width norm's sum over head blocks; -10 walks 2048-lane head
-blocks, and runs a full-width norm's roles interleaved (``interleave_roles``). -11 (session 13):
-at 4096 tokens the kernel was bound by instruction issue, not HBM (a k / v program alone took
-10-15 us for ~25 MB; -10 gathered every lane's RoPE partner into a second full-width tile and
-normed it again, and divided by the FP8 scale with div.rn): the rotary halves side by side and
-the division as a multiply and one FMA correction take MiniMax bf16 / Qwen3.5 / FP8 from
-66 / 68 / 58% of HBM to 88 / 79 / 80%, and 1 token from ~4.2 to ~3.2 us.
+Why this shape (H200; bench/NOTES.md, gqa_prologue). At 4096 tokens the kernel is bound by
+instruction issue, not HBM, so every lane is loaded and normed once (the rotary halves side by
+side, no gathered partner tile) and the FP8 cache divides by its scale as a multiply and one FMA
+correction (``_device.div_rn_by``), not div.rn: MiniMax bf16 ~88%, Qwen3.5 85%, the FP8 cache
+~80% of HBM at 4096 tokens, ~3.2 us at one token. Many tokens want many programs with few
+registers each, so above ``WHOLE_TILES_UP_TO`` tokens a program walks its rows in head blocks
+(whole tiles of a token's rows reached 30-43% of HBM there); k's and v's tiles are sized by the
+kv heads, not q's (q-sized k / v tiles cost 2x at one token with an FP8 cache). A
+tensor-parallel norm's means of squares come in as inputs (``variance / divisor``, correctly
+rounded): ``_variance_kernel`` computes them on the other side of that all-reduce.
 
 This module imports only torch and triton; set ``TRITON_INTERPRET=1`` before
 importing it to run on CPU tensors.
@@ -50,26 +46,25 @@ from ._device import to_fp8e4nv_clamped, upcast
 KERNEL_VERSION = "gqa_prologue-14"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~BLOCK_LANES_* lanes a block (many programs: registers per program
-# decide how many are in flight). H200, bench/NOTES.md: whole tiles 4.3 / 3.9 / 4.5 us at 1
-# token against 6.3 / 6.9 / 6.3 in blocks; blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096
-# tokens against 35 / 40 / 30%; 2048 lanes 63.8-68.0 / 67.7 / 58.8-60.1%. With -11's pieces
-# (4096 tokens, 4 warps): 2048 lanes best for MiniMax's full-width norm (89.4 / 80.5%), 1024 for
-# Qwen3.5's per-head norm (86.6 and 85.3% in two runs against 77.4-79.2% at 2048). Benches and
-# tests time other sizes through GqaPrologueConfig.
+# decide how many are in flight). H200 (bench/NOTES.md, gqa_prologue), MiniMax bf16 / Qwen3.5 /
+# MiniMax FP8: whole tiles 4.3 / 3.9 / 4.5 us at 1 token against 6.3 / 6.9 / 6.3 in blocks;
+# blocks of 1024 lanes 58 / 64 / 53% of HBM at 4096 tokens against whole tiles' 35 / 40 / 30%.
+# Lanes a block at 4096 tokens and 4 warps, this kernel's pieces: 2048 best for MiniMax's
+# full-width norm (bf16 / FP8 89.4 / 80.5%), 1024 for Qwen3.5's per-head norm (86.6 and 85.3% in
+# two runs against 77.4-79.2% at 2048). Benches and tests time other sizes through
+# GqaPrologueConfig.
 WHOLE_TILES_UP_TO = 256
 BLOCK_LANES_FULL_WIDTH_NORM = 2048
 BLOCK_LANES_PER_HEAD_NORM = 1024
 # Grid order. (tokens, 3) starts every token's q program before any k / v program, so at 4096
 # tokens the k / v programs (FP8: norm, RoPE, a correctly rounded division and the e4m3
 # conversion per lane, few bytes) run last, in a tail with little memory traffic in flight.
-# Interleaved (3 * tokens, role fastest) mixes them. H200 at 4096 tokens, 2048 lanes (session 12,
-# bench/gqa_prologue.py --sweep-lanes): MiniMax's full-width norm (its q programs read their rows
-# twice) bf16 63.8 -> 68.0%, FP8 58.8 -> 60.1%; Qwen3.5's per-head norm 67.7 -> 64.0% (session 11
-# alike, at 1024 lanes). So ``interleave_roles``: interleaved for a full-width norm in head
-# blocks (GqaPrologueConfig.interleave_roles None); the sweep forces either order through it.
-# Diagnostic knob (bench/gqa_prologue.py --sweep-roles): a bit mask of the roles that run (q 1,
-# k 2, v 4); the others leave their outputs unwritten. Which programs set the time at 4096 tokens.
-_ROLES_RUN = 7
+# Interleaved (3 * tokens, role fastest) mixes them. H200 at 4096 tokens, 2048 lanes
+# (bench/gqa_prologue.py --sweep-lanes; bench/NOTES.md, gqa_prologue), tokens order ->
+# interleaved: MiniMax's full-width norm (its q programs read their rows twice) bf16 63.8 ->
+# 68.0%, FP8 58.8 -> 60.1%; Qwen3.5's per-head norm 67.7 -> 64.0% (alike at 1024 lanes). So
+# ``interleave_roles``: interleaved for a full-width norm in head blocks
+# (GqaPrologueConfig.interleave_roles None); the sweep forces either order through it.
 
 
 def num_warps_for(lanes: int) -> int:
@@ -196,9 +191,9 @@ def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, 
     """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h), as
     the three ``_pieces`` in fp32 (rounded values). Full width: the token's rstd is given.
     Holding the rotary halves side by side, every lane is loaded and normed once and a NeoX pair
-    rotates in place (-9 gathered each lane's partner into a full-width second tile: twice the
-    norm work on rotary lanes and a dead partner tile on the rest; the kernel is bound by
-    instruction issue at 4096 tokens, bench/NOTES.md session 13)."""
+    rotates in place. A second full-width tile of each lane's partner would double the norm work
+    on the rotary lanes and carry a dead tile over the rest, and at 4096 tokens the kernel is
+    bound by instruction issue (bench/NOTES.md, gqa_prologue)."""
     first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
     rows = X + h * stride_h
     half_mask, rest_mask = (h < heads) & half_ok, (h < heads) & rest_ok
@@ -258,14 +253,14 @@ def _gqa_prologue_kernel(
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
-    V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr, ROLES_RUN: tl.constexpr,
+    V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr,
     ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
     # INTERLEAVED: a 1-D grid with the role varying fastest, so the GPU starts q, k and v
     # programs side by side instead of every q program first and the small k / v ones last.
-    # KV_ONE_PROGRAM: role 1 also caches v (two roles a token). ROLES_RUN: _ROLES_RUN.
+    # KV_ONE_PROGRAM: role 1 also caches v (two roles a token).
     ROLES: tl.constexpr = 2 if KV_ONE_PROGRAM else 3
     if INTERLEAVED:
         pid = tl.program_id(0).to(tl.int64)
@@ -274,10 +269,8 @@ def _gqa_prologue_kernel(
         t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
     first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
     if role == 2:
-        if ROLES_RUN & 4:
-            _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
-                          v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD,
-                          V_FP8)
+        _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
+                      v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
     else:
         if HAS_POSITIONS:
             row = tl.load(POS + t).to(tl.int64)
@@ -285,21 +278,20 @@ def _gqa_prologue_kernel(
             row = t % cos_rows
         cos_row, sin_row = row * stride_cos, row * stride_sin
         if role == 0:
-            if ROLES_RUN & 1:
-                X = Q + t * stride_qt
-                full_rstd = _token_rstd(X, stride_qh, heads, Q_VAR, t, stride_qvar, variance_divisor, eps,
-                                        HB_Q, D, D_PAD, Q_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
-                for block in range(Q_BLOCKS):
-                    h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
-                    q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
-                                            weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
-                                            Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
-                    out = Q_OUT + t * stride_qo + h * D
-                    out_dtype = Q_OUT.dtype.element_ty
-                    tl.store(out + first, downcast(q1, out_dtype), mask=(h < heads) & half_ok)
-                    tl.store(out + second, downcast(q2, out_dtype), mask=(h < heads) & half_ok)
-                    tl.store(out + rest, downcast(q3, out_dtype), mask=(h < heads) & rest_ok)
-        elif ROLES_RUN & 2:
+            X = Q + t * stride_qt
+            full_rstd = _token_rstd(X, stride_qh, heads, Q_VAR, t, stride_qvar, variance_divisor, eps,
+                                    HB_Q, D, D_PAD, Q_BLOCKS, FULL_WIDTH, HAS_VARIANCE)
+            for block in range(Q_BLOCKS):
+                h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
+                q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
+                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
+                                        Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
+                out = Q_OUT + t * stride_qo + h * D
+                out_dtype = Q_OUT.dtype.element_ty
+                tl.store(out + first, downcast(q1, out_dtype), mask=(h < heads) & half_ok)
+                tl.store(out + second, downcast(q2, out_dtype), mask=(h < heads) & half_ok)
+                tl.store(out + rest, downcast(q3, out_dtype), mask=(h < heads) & rest_ok)
+        else:
             X = K + t * stride_kt
             slot = tl.load(SLOTS + t).to(tl.int64)
             full_rstd = _token_rstd(X, stride_kh, kv_heads, K_VAR, t, stride_kvar, variance_divisor, eps,
@@ -378,11 +370,11 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot)), BLOCK_SIZE=block_size,
             FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
-            KV_ONE_PROGRAM=config.kv_one_program, ROLES_RUN=_ROLES_RUN, ROUND_NORMALIZED=bool(round_normalized),
+            KV_ONE_PROGRAM=config.kv_one_program, ROUND_NORMALIZED=bool(round_normalized),
             ROUND_ROPE=bool(round_rope_products), num_warps=warps,
             # HF's rounded RoPE products: no FMA may fuse one into the sum (``_rotated``). The
             # serving layout (fp32 RoPE, rounded once) keeps contraction: at 4096 tokens the
-            # kernel is bound by instruction issue (bench/NOTES.md, gqa_prologue-11).
+            # kernel is bound by instruction issue (bench/NOTES.md, gqa_prologue).
             enable_fp_fusion=not round_rope_products,
         )
 
@@ -413,7 +405,7 @@ def _variance_kernel(Q, K, OUT, stride_q, stride_k, q_width, k_width, BLOCK: tl.
 
 
 # Lanes a program sums at a time: 6144 / tp wide q rows in a few steps, k's 1024 / tp in one.
-# Not measured: the block width the prologue's head blocks found best (bench/NOTES.md, -5).
+# Not measured: the block width the prologue's head blocks found best (bench/NOTES.md, gqa_prologue).
 _VARIANCE_LANES = 1024
 
 

@@ -69,9 +69,9 @@ _LAUNCH_TABLE: dict[int, tuple[int, int]] = {
     # DeepSeek q_a_layernorm 1536: 16 rows 1.9 us, 4096 rows 14.5 us [(1,4) 2.0 / 15.5].
     2048: (1, 8),
     # Qwen 4096, MiniMax 3072: 1 token 2.3 us, 256 tokens 3.2 us [(1,4) 2.5 / 3.5,
-    # (1,16) 2.3 / 3.3]; (1,16) is 3% faster only at 4096 tokens. Tried again in session 2 with
-    # HBM-rotated inputs: 256 x 4096 (1,16) 4.31 us vs Inductor 3.87 (1.11x), worse than (1,8)'s
-    # 1.085x (bench/results/archive/kernels_h200_4096_1x16_rejected.json).
+    # (1,16) 2.3 / 3.3]; (1,16) is 3% faster only at 4096 tokens. With HBM-rotated inputs
+    # 256 x 4096 (1,16) is 4.31 us vs Inductor 3.87 (1.11x), worse than (1,8)'s 1.085x
+    # (bench/results/archive/kernels_h200_4096_1x16_rejected.json; bench/NOTES.md, rms_norm).
     4096: (1, 8),
     # DeepSeek 7168, MiniMax q-norm 6144: best at 1/16/256/4096 tokens (3.0, 3.1, 4.7,
     # 60.5 us = 3.9 TB/s) [(1,8) 3.3 / 61.4, (1,32) 3.0 / 62.4].

@@ -3,13 +3,13 @@ streams the weight rows once, in place of cuBLAS's split-K GEMM plus its reduce 
 
 At decode sizes (M of a few tokens) a projection is a weight read: Qwen3.5's out_proj at one
 token is 64 MiB of weight for 8 K multiply-adds a row. cuBLAS picks a split-K kernel and a
-second reduce kernel for these shapes and reads the weight at ~3.2 TB/s on the H200 (session 14
-profile, bench/NOTES.md). Here each program owns ``BLOCK_N`` whole weight rows and walks K in
-``BLOCK_K`` steps into a 2-D fp32 accumulator reduced once at the end, so a row is one long
-contiguous stream and no partial sums leave the program: one launch, no reduce kernel. The
-token is the fastest grid axis, so the programs of the M tokens that read the same rows run at
-about the same time and the repeats come from L2 (HBM reads the weight once; L2 serves it M
-times, which is why this is for small M only: ``MAX_TOKENS``).
+second reduce kernel for these shapes and reads the weight at 33-87% of the H200's copy
+bandwidth (bench/NOTES.md, "Skinny GEMM"). Here each program owns ``BLOCK_N`` whole weight rows
+and walks K in ``BLOCK_K`` steps into a 2-D fp32 accumulator reduced once at the end, so a row
+is one long contiguous stream and no partial sums leave the program: one launch, no reduce
+kernel. The token is the fastest grid axis, so the programs of the M tokens that read the same
+rows run at about the same time and the repeats come from L2 (HBM reads the weight once; L2
+serves it M times, which is why this is for small M only: ``MAX_TOKENS``).
 
 Launch shape by the Little's-law argument the experts kernels use (model_adapters/
 experts_kernel.py): at ~4.2 TB/s and ~1 us of latency the H200 needs ~4 MB of loads in
