@@ -50,43 +50,24 @@ def inductor_config(tokens, hidden):
     return {"heuristic": kind, "num_warps": found, "blocks": blocks, "us": time_us}
 
 
-def _run(sets):
+def _run(sets, config):
     def call(i):
         x, r, w, out, total = sets[i]
-        kernel.rms_norm_fwd(x, w, 1e-6, 0.0, out, residual=r, sum_out=total)
+        kernel.rms_norm_fwd(x, w, 1e-6, 0.0, out, residual=r, sum_out=total, config=config)
 
     return common.graph_time_us(call, len(sets))
 
 
 def ours(tokens, hidden, rows, warps):
-    sets = _sets(tokens, hidden)
-    block_n = triton_next_pow2(hidden)
-    saved = kernel._LAUNCH_TABLE[block_n]
-    kernel._LAUNCH_TABLE[block_n] = (rows, warps)
-    try:
-        return _run(sets)
-    finally:
-        kernel._LAUNCH_TABLE[block_n] = saved
+    return _run(_sets(tokens, hidden), kernel.RmsNormConfig(rows=rows, warps=warps))
 
 
 def ours_looped(tokens, hidden, chunk, warps):
     """Force the two-pass chunked path (the shape of Inductor's looped `reduction`)."""
-    sets = _sets(tokens, hidden)
-    saved = kernel.launch_config
-    kernel.launch_config = lambda n: (chunk, 1, warps, True)
-    try:
-        return _run(sets)
-    finally:
-        kernel.launch_config = saved
+    return _run(_sets(tokens, hidden), kernel.RmsNormConfig(warps=warps, loop_block_n=chunk))
 
 
 LOOPED = ((1024, 4), (1024, 8), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16))
-
-
-def triton_next_pow2(n):
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 def main():

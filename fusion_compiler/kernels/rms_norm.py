@@ -30,6 +30,7 @@ to run the kernel on CPU tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -87,13 +88,32 @@ _LOOP_BLOCK_N = 8192
 _LOOP_NUM_WARPS = 16
 
 
-def launch_config(n: int) -> tuple[int, int, int, bool]:
+@dataclasses.dataclass(frozen=True)
+class RmsNormConfig:
+    """The launch policy; the defaults are the shipped one (the table above). ``rows`` /
+    ``warps`` None: the table's entry for the row's BLOCK_N (looped: one row a program and
+    ``_LOOP_NUM_WARPS``); ``loop_block_n``: every row in chunks this wide (two passes), None:
+    only rows wider than ``_MAX_SINGLE_TILE_BLOCK_N``, in ``_LOOP_BLOCK_N`` chunks. Benches time
+    other launches through it."""
+
+    rows: int | None = None
+    warps: int | None = None
+    loop_block_n: int | None = None
+
+
+DEFAULT_CONFIG = RmsNormConfig()
+
+
+def launch_config(n: int, config: RmsNormConfig = DEFAULT_CONFIG) -> tuple[int, int, int, bool]:
     """(BLOCK_N, rows_per_program, num_warps, looped) for a row of ``n`` elements."""
     block_n = triton.next_power_of_2(max(int(n), 1))
-    if block_n > _MAX_SINGLE_TILE_BLOCK_N:
-        return _LOOP_BLOCK_N, 1, _LOOP_NUM_WARPS, True
+    if config.loop_block_n is not None or block_n > _MAX_SINGLE_TILE_BLOCK_N:
+        chunk = _LOOP_BLOCK_N if config.loop_block_n is None else config.loop_block_n
+        return chunk, 1, _LOOP_NUM_WARPS if config.warps is None else config.warps, True
     block_n = max(block_n, 64)  # smaller rows use the 64 entry (masked)
     rows, warps = _LAUNCH_TABLE[block_n]
+    rows = rows if config.rows is None else config.rows
+    warps = warps if config.warps is None else config.warps
     return block_n, rows, warps, False
 
 
@@ -223,6 +243,7 @@ def rms_norm_fwd(
     residual: torch.Tensor | None = None,
     sum_out: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    config: RmsNormConfig | None = None,
 ) -> None:
     """Launch the fused (residual add +) RMSNorm kernel; writes ``out`` (and ``sum_out``).
 
@@ -236,6 +257,7 @@ def rms_norm_fwd(
         residual / sum_out: both or neither.  residual has x's shape and dtype; sum_out
             (same shape and dtype) receives ``x + residual`` rounded to x.dtype.
         gate: x's shape, fp16/bf16/fp32; the output is multiplied by ``silu(gate)`` in fp32.
+        config: the launch policy (``RmsNormConfig``); None: the shipped one.
     ``out`` and ``sum_out`` must not overlap the inputs.  No host syncs: safe to call during
     CUDA-graph capture once the kernel has been compiled (one warm-up call per config).
     """
@@ -285,7 +307,7 @@ def rms_norm_fwd(
         weight = weight.contiguous()
     m = x2.shape[0]
 
-    block_n, rows, num_warps, looped = launch_config(n)
+    block_n, rows, num_warps, looped = launch_config(n, DEFAULT_CONFIG if config is None else config)
     grid = (triton.cdiv(m, rows),)
 
     def _launch():
