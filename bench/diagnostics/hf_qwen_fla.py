@@ -5,6 +5,7 @@ traceback dump if it hangs.  python3 bench/diagnostics/hf_qwen_fla.py OUT.json [
 import faulthandler
 import inspect
 import json
+import os
 import sys
 import time
 
@@ -13,6 +14,9 @@ import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as hf
 
 from fusion_compiler.inspect.run import inspect_model
 from fusion_compiler.model_adapters import get_adapter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import common  # noqa: E402
 
 faulthandler.dump_traceback_later(float(sys.argv[2]) if len(sys.argv) > 2 else 170, exit=True)
 resolved = {name: getattr(inspect.getclosurevars(getattr(hf, name)).nonlocals.get("implementation"), "__module__", "?")
@@ -28,7 +32,6 @@ except Exception as e:  # noqa: BLE001 - the diagnostic records what broke
     result, error = None, f"{type(e).__name__}: {e}"
 record = {"resolved": resolved, "seconds": time.perf_counter() - start, "error": error,
           "torch": torch.__version__, "result": result}
-with open(sys.argv[1], "w") as f:
-    json.dump(record, f, indent=1, default=str)
+common.write_json(sys.argv[1], json.loads(json.dumps(record, default=str)))  # tuples, dtypes as text
 print(json.dumps({k: v for k, v in record.items() if k != "result"}, default=str))
 print(json.dumps(result, default=str)[:3000] if result else "")
