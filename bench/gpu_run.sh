@@ -200,13 +200,13 @@ moe|moe-ab|moe-tail|moe-variants)
     timeout 240 python3 bench/moe_router_check.py --parts ab --out "$R/moe_router_ab_h200.json" > "$R/moe_router_ab.log" 2>&1; echo "rc $?"
     grep -v "^ *$" "$R/moe_router_ab.log" | cut -c1-300 | tail -n 80
   elif [ "$phase" = moe-variants ]; then
-    timeout 400 python3 bench/moe_router_check.py --parts gemm --gemm-variants ${VARIANTS:-shipped route15 diag_gemm} \
+    timeout 400 python3 bench/moe_router_check.py --parts gemm --gemm-variants ${VARIANTS:-shipped route15} \
       --gemm-tokens 1 --out "$R/moe_router_tail_h200.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
     grep "copy\|^  [a-z]" "$R/moe_router_tail.log" | grep -v "{" | cut -c1-130
   elif [ "$phase" = moe-tail ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_moe_router_gpu.py 2>&1 | tail -n 8 | tee "$R/moe_router_gpu_tests.log"
     timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 14
-    timeout 150 python3 bench/moe_router_check.py --parts gemm --gemm-variants shipped route15 counters diag_gemm \
+    timeout 150 python3 bench/moe_router_check.py --parts gemm --gemm-variants shipped route15 counters \
       --gemm-tokens 1 --out "$R/moe_router_tail_h200.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
     grep "copy\|^  [a-z]" "$R/moe_router_tail.log" | grep -v "{" | cut -c1-130
   else

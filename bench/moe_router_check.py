@@ -15,14 +15,14 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
   cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
           (W @ h^T)^T (cuBLAS picks split-K, two kernels, for these skinny shapes);
   warps   the routing kernel's num_warps at 64 tokens;
-  ab      the one launch's routing-tail alternatives (``AB_VARIANTS``: kernels/moe_route.py's
-          _SELECT / _TAIL_LOADS knobs and a launch shape) at 1, 2 and 16 tokens, Qwen3.5 with its
+  ab      the one launch's routing-tail alternatives (``AB_VARIANTS``: ``MoeRouteConfig``'s
+          select / tail_loads fields and a launch shape) at 1, 2 and 16 tokens, Qwen3.5 with its
           shared-expert gate column: each variant's ids and weights checked against the routing of
           its own logits (and its gate against sigmoid of them) before it is timed; plus the
           L2-resident router-weight copy floor in the same run (not in the default parts);
-  gemm    the one launch's GEMM-phase alternatives (``GEMM_VARIANTS``: the _BLOCK_K / _BLOCK_E /
-          _GEMV / _UNROLL / _W_HINTS / _GEMM_WARPS / _GEMM_STAGES / _TARGET_PROGRAMS / _MAX_SPLIT
-          knobs) at 1, 2 and 16 tokens, each checked like ``ab``'s, then timed warm (CUDA-graph
+  gemm    the one launch's GEMM-phase alternatives (``GEMM_VARIANTS``: ``MoeRouteConfig``'s
+          block_k / block_e / gemv / unroll / w_hints / gemm_warps / gemm_stages / target_programs /
+          max_split and routing-tail fields) at 1, 2 and 16 tokens, each checked like ``ab``'s, then timed warm (CUDA-graph
           replays, the weight L2-resident), cold (a graph of [L2 flush, op] pairs minus a graph
           of the flushes alone) and rotated (one graph over >= 256 MB of router-weight copies,
           each call on the next), beside the router-weight copy timed all three ways in the run;
@@ -55,59 +55,59 @@ MODELS = {
     "qwen3.5": (4096, 512, (10, 1, 1, 1, True, 0.0, 1.0, torch.bfloat16), torch.bfloat16),
 }
 SPLIT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
-SHAPES = ((128, 8), (256, 16), (64, 4), (128, 4))  # (_TARGET_PROGRAMS, _MAX_SPLIT)
+SHAPES = ((128, 8), (256, 16), (64, 4), (128, 4))  # (target_programs, max_split)
 AB_TOKENS = (1, 2, 16)
-# name: kernels/moe_route.py module knobs set for the variant (the rest by shape, routing_tail).
+# name: the variant's ``MoeRouteConfig`` fields (the rest shipped: the tail by shape, routing_tail).
 # Session 11 also timed a merge-network selection (one tl.reduce merging sorted key lists): slower
 # than the rounds for all three (8.15 / 5.71 / 11.01 us at 1 token), removed.
 AB_VARIANTS = {
     "by_shape": {},
-    "rounds_reload": {"_SELECT": 0, "_TAIL_LOADS": 0},  # moe_route-12
-    "topk_reload": {"_SELECT": 1, "_TAIL_LOADS": 0},
-    "rounds_regs": {"_SELECT": 0, "_TAIL_LOADS": 1},
-    "topk_regs": {"_SELECT": 1, "_TAIL_LOADS": 1},
-    "by_shape_256prog": {"_TARGET_PROGRAMS": 256, "_MAX_SPLIT": 16},
+    "rounds_reload": {"select": 0, "tail_loads": 0},  # moe_route-12
+    "topk_reload": {"select": 1, "tail_loads": 0},
+    "rounds_regs": {"select": 0, "tail_loads": 1},
+    "topk_regs": {"select": 1, "tail_loads": 1},
+    "by_shape_256prog": {"target_programs": 256, "max_split": 16},
 }
 AB_GATE = {"qwen3.5"}  # routers timed with the shared-expert gate column, as the model runs them
-# name: kernels/moe_route.py GEMM-phase knobs (module comment above gemm_launch_config).  Shapes at
+# name: ``MoeRouteConfig`` fields of the GEMM phase (its docstring).  Shapes at
 # 1 token, DeepSeek / MiniMax / Qwen3.5 (+ gate column), as (BLOCK_K x K_STEPS, programs):
 # shipped 64x14 128, 64x6 128, 64x22 99; span 512x1 224, 256x1 192, 1024x1 132; span_prog64
 # 1024x1 112, 512x1 96, 1024x1 132; span_prog256 256x1 448, 128x1 384, 512x1 264.  The GEMV
 # variants are GEMVs at 1 token only (above, their tl.dot base shape).
 # moe_route-13's shape: 64-column steps, a 16-row tl.dot also at one token, no load hints.
-_ROUTE13 = {"_BLOCK_K": 64, "_GEMV": False, "_W_HINTS": ("", "")}
+_ROUTE13 = {"block_k": 64, "gemv": False, "w_hints": ("", "")}
 GEMM_VARIANTS = {
     "shipped": {},
     "route13": _ROUTE13,
-    "gemv_span_no_hint": {"_W_HINTS": ("", "")},
-    "span_evict_last_no_gemv": {"_GEMV": False},
+    "gemv_span_no_hint": {"w_hints": ("", "")},
+    "span_evict_last_no_gemv": {"gemv": False},
     # Session 12's first A/B (moe_route-13 shipped; results/moe_router_gemm_h200_session12.json):
-    "prog256": {**_ROUTE13, "_TARGET_PROGRAMS": 256, "_MAX_SPLIT": 16},
-    "prog512": {**_ROUTE13, "_TARGET_PROGRAMS": 512, "_MAX_SPLIT": 32},
-    "bk128_st4": {**_ROUTE13, "_BLOCK_K": 128, "_GEMM_STAGES": 4},  # 4 KB a step, fetched 3 steps ahead
-    "unroll": {**_ROUTE13, "_UNROLL": True},
-    "span": {**_ROUTE13, "_BLOCK_K": 0},  # one tile per program: all its weight bytes in flight at once
-    "span_prog64": {**_ROUTE13, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 64},
-    "span_prog256": {**_ROUTE13, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 256},
-    "span_w8": {**_ROUTE13, "_BLOCK_K": 0, "_GEMM_WARPS": 8},
-    "span_evict_last": {**_ROUTE13, "_BLOCK_K": 0, "_W_HINTS": ("", "evict_last")},
-    "gemv_unroll": {**_ROUTE13, "_GEMV": True, "_UNROLL": True},
-    "gemv_span": {**_ROUTE13, "_GEMV": True, "_BLOCK_K": 0},
-    "gemv_span_prog256": {**_ROUTE13, "_GEMV": True, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 256},
+    "prog256": {**_ROUTE13, "target_programs": 256, "max_split": 16},
+    "prog512": {**_ROUTE13, "target_programs": 512, "max_split": 32},
+    "bk128_st4": {**_ROUTE13, "block_k": 128, "gemm_stages": 4},  # 4 KB a step, fetched 3 steps ahead
+    "unroll": {**_ROUTE13, "unroll": True},
+    "span": {**_ROUTE13, "block_k": 0},  # one tile per program: all its weight bytes in flight at once
+    "span_prog64": {**_ROUTE13, "block_k": 0, "target_programs": 64},
+    "span_prog256": {**_ROUTE13, "block_k": 0, "target_programs": 256},
+    "span_w8": {**_ROUTE13, "block_k": 0, "gemm_warps": 8},
+    "span_evict_last": {**_ROUTE13, "block_k": 0, "w_hints": ("", "evict_last")},
+    "gemv_unroll": {**_ROUTE13, "gemv": True, "unroll": True},
+    "gemv_span": {**_ROUTE13, "gemv": True, "block_k": 0},
+    "gemv_span_prog256": {**_ROUTE13, "gemv": True, "block_k": 0, "target_programs": 256},
     # Session 14: the routing tail (shipped - diag_arrive) measured 2.7-4.1 us of 5.8-8.4; its
     # block-wide reductions and tl.topk's exchanges cross warps through shared memory and bar.sync.
     # Fewer warps per program keep more of them inside a warp (and the GEMM programs smaller).
-    "w1": {"_GEMM_WARPS": 1},
-    "w2": {"_GEMM_WARPS": 2},
-    "w1_prog256": {"_GEMM_WARPS": 1, "_TARGET_PROGRAMS": 256},
-    "w2_prog256": {"_GEMM_WARPS": 2, "_TARGET_PROGRAMS": 256},
-    "w1_rounds": {"_GEMM_WARPS": 1, "_SELECT": 0},
-    "w1_regs": {"_GEMM_WARPS": 1, "_TAIL_LOADS": 1},
-    "w2_rounds": {"_GEMM_WARPS": 2, "_SELECT": 0},
+    "w1": {"gemm_warps": 1},
+    "w2": {"gemm_warps": 2},
+    "w1_prog256": {"gemm_warps": 1, "target_programs": 256},
+    "w2_prog256": {"gemm_warps": 2, "target_programs": 256},
+    "w1_rounds": {"gemm_warps": 1, "select": 0},
+    "w1_regs": {"gemm_warps": 1, "tail_loads": 1},
+    "w2_rounds": {"gemm_warps": 2, "select": 0},
     # Session 14's offline SASS reading (bench/NOTES.md): the tail's partial loads return in
     # dependent waves under ptxas's register reuse; a register cap lets them issue together.
-    # moe_route-15 ships 128 (SHIPPED_GEMM); no_maxnreg is moe_route-14's launch.
-    "no_maxnreg": {"_MAXNREG": 0},
+    # moe_route-15 ships 128 (MoeRouteConfig.maxnreg); no_maxnreg is moe_route-14's launch.
+    "no_maxnreg": {"maxnreg": 0},
     # Session 16: MiniMax sat at the 2x-the-copy bar (1.98-2.01x). Round 1 also timed sigmoid as
     # rcp.rn.f32 and the poll's loads as ld.relaxed.gpu (inline PTX): no gain, and the relaxed
     # loads doubled Qwen3.5's time (BENCHMARKS.md); both removed. Fewer experts per program at one
@@ -117,27 +117,23 @@ GEMM_VARIANTS = {
     # GEMV's span cap, as programs x splits at one token, DeepSeek / MiniMax / Qwen3.5: be4 448x7
     # 192x3 516x4; be2 896x7 384x3 1028x4; be4_s2k 256x4 192x3 258x2; be2_s2k 512x4 256x2 514x2;
     # be1_s2k 1024x4 512x2 1026x2; be2_s4k 256x2 256x2 257x1; be1_s4k 512x2 512x2 513x1.
-    **{f"be{e}" + ("" if span == 1024 else f"_s{span // 1024}k"): {"_BLOCK_E": e, "_MAX_GEMV_SPAN": span}
+    **{f"be{e}" + ("" if span == 1024 else f"_s{span // 1024}k"): {"block_e": e, "max_gemv_span": span}
        for e, span in ((8, 1024), (4, 1024), (2, 1024), (4, 2048), (2, 2048), (1, 2048), (2, 4096), (1, 4096))},
-    "diag_gemm_be4": {"_BLOCK_E": 4, "_TAIL_DIAG": "gemm"},
     # moe_route-16 ships be2_s2k (5.35 / 3.93 / 5.74 us in round 2); route15 is -15's one-token shape.
-    "route15": {"_BLOCK_E": 16, "_MAX_GEMV_SPAN": 1024},
-    "maxnreg128": {"_MAXNREG": 128},
-    "maxnreg160": {"_MAXNREG": 160},
+    "route15": {"block_e": 16, "max_gemv_span": 1024},
+    "maxnreg128": {"maxnreg": 128},
+    "maxnreg160": {"maxnreg": 160},
     # Session 15 (moe_route-15): the routing tail's forms (kernels/moe_route.py routing_tail). The
     # shipped tail is int32 logit keys selected per warp without a bias (Qwen3.5), the logit in
     # the int64 key with one (MiniMax; DeepSeek's fp32 logits keep the reload).
-    "keys64": {"_KEYS": 0},  # moe_route-14's tail without a bias: int64 score keys
-    "reload": {"_TAIL_LOADS": 0},  # ... and with a bias: the picked logits reloaded
-    "select_rounds": {"_SELECT": 0},  # block-wide rounds over the shipped keys
-    "select_topk": {"_SELECT": 1},  # tl.topk over the shipped keys
-    "select_warp": {"_SELECT": 2},  # per-warp rounds + rank merge, also over int64 keys
-    "counters": {"_POLL_ONE_TOKEN": False},  # one token: the arrival counter (moe_route-14's) not polling
-    # Diagnostics, the shipped shape cut short (outputs unwritten, so unchecked): the GEMM phase
-    # alone, then with the arrival count; shipped minus these is the routing tail.
-    "diag_gemm": {"_TAIL_DIAG": "gemm"},
-    "diag_arrive": {"_TAIL_DIAG": "arrive"},
-    "diag_gemm_w1": {"_TAIL_DIAG": "gemm", "_GEMM_WARPS": 1},
+    "keys64": {"keys": 0},  # moe_route-14's tail without a bias: int64 score keys
+    "reload": {"tail_loads": 0},  # ... and with a bias: the picked logits reloaded
+    "select_rounds": {"select": 0},  # block-wide rounds over the shipped keys
+    "select_topk": {"select": 1},  # tl.topk over the shipped keys
+    "select_warp": {"select": 2},  # per-warp rounds + rank merge, also over int64 keys
+    "counters": {"poll_one_token": False},  # one token: the arrival counter (moe_route-14's) not polling
+    # The diagnostic cuts diag_gemm / diag_arrive / diag_gemm_w1 / diag_gemm_be4 (outputs left
+    # unwritten) are gone with the kernel's diagnostics; their results stand (bench/NOTES.md, 7).
 }
 GEMM_TOKENS = (1, 2, 16)
 FLUSH_BYTES = 256 << 20  # > 5x the H200's 50 MB L2
@@ -156,14 +152,14 @@ def make_args(name: str, tokens: int, seed: int = 0):
     return (x, w, bias, *routing, logits_dtype)
 
 
-def _fused(args, gate_weight=None):
+def _fused(args, gate_weight=None, config=None):
     named = dict(zip(ops._ROUTER_ARG_NAMES, args))
     x, w = named["hidden"], named["router_weight"]
     logits = torch.empty(x.shape[0], w.shape[0], dtype=named["logits_dtype"], device="cuda")
     weights = torch.empty(x.shape[0], named["top_k"], dtype=named["weights_dtype"], device="cuda")
     ids = torch.empty(x.shape[0], named["top_k"], dtype=torch.int64, device="cuda")
     gate = None if gate_weight is None else torch.empty(x.shape[0], 1, dtype=x.dtype, device="cuda")
-    K.moe_router_fwd(named, x, w, logits, weights, ids, gate_weight=gate_weight, gate=gate)
+    K.moe_router_fwd(named, x, w, logits, weights, ids, gate_weight=gate_weight, gate=gate, config=config)
     return weights, ids, logits, gate
 
 
@@ -229,7 +225,7 @@ def floors(name: str, flush=None) -> dict:
 
 
 def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None = None, flush=None) -> list:
-    """Each variant (module knobs) of the one launch at each token count: checked (``ab_check``)
+    """Each variant (``MoeRouteConfig`` fields) of the one launch at each token count: checked (``ab_check``)
     then timed warm; with ``flush`` also cold (minus ``floor['flush_us']``) and rotated over
     copies of the router weight; with ``floor`` the ratios to the copy floors."""
     rows = []
@@ -242,18 +238,14 @@ def router_variants(name: str, tokens: tuple, variants: dict, floor: dict | None
         for label, settings in variants.items():
             entry = {"tokens": t, "variant": label, "gate": gate_w is not None}
             try:
-                with common.module_knobs(K, **settings):
-                    entry["launch"] = K.gemm_launch_config(t, a[1].shape[0] + (gate_w is not None), a[0].shape[1])
-                    if label.startswith("diag_"):
-                        _fused(a, gate_w)
-                        entry["diagnostic"] = True
-                    else:
-                        entry.update(ab_check(a, gate_w, _fused(a, gate_w)))
-                    entry["us"] = common.graph_time_us(lambda i: _fused(a, gate_w), 1)
-                    if flush is not None:
-                        entry["flush_plus_op_us"] = cold_time_us(lambda i: _fused(a, gate_w), flush)
-                        entry["cold_us"] = entry["flush_plus_op_us"] - floor["flush_us"]
-                        entry["rotated_us"] = rotated_time_us(lambda w: _fused((a[0], w, *a[2:]), gate_w), weights)
+                config = K.MoeRouteConfig(**settings)
+                entry["launch"] = K.gemm_launch_config(t, a[1].shape[0] + (gate_w is not None), a[0].shape[1], config)
+                entry.update(ab_check(a, gate_w, _fused(a, gate_w, config)))
+                entry["us"] = common.graph_time_us(lambda i: _fused(a, gate_w, config), 1)
+                if flush is not None:
+                    entry["flush_plus_op_us"] = cold_time_us(lambda i: _fused(a, gate_w, config), flush)
+                    entry["cold_us"] = entry["flush_plus_op_us"] - floor["flush_us"]
+                    entry["rotated_us"] = rotated_time_us(lambda w: _fused((a[0], w, *a[2:]), gate_w, config), weights)
                 if floor is not None:
                     entry["ratio_warm"] = entry["us"] / floor["copy_warm_us"]
                     if "cold_us" in entry:
@@ -281,7 +273,7 @@ def print_gemm_table(result: dict) -> None:
             if "error" in e:
                 print(f"  {e['variant']:20s} {e['tokens']:3d}  ERROR {e['error'][:80]}")
                 continue
-            ok = "-" if e.get("diagnostic") else ("yes" if e["tokens_ids_equal"] == e["tokens"] else "NO")
+            ok = "yes" if e["tokens_ids_equal"] == e["tokens"] else "NO"
             print(f"  {e['variant']:20s} {e['tokens']:3d} {ok:>3s} {e['us']:6.2f} {e['ratio_warm']:6.2f} "
                   f"{e['cold_us']:6.2f} {e['ratio_cold']:6.2f} {e['rotated_us']:6.2f} {e['ratio_rotated']:6.2f}"
                   f"  {e['launch']}")
@@ -349,7 +341,6 @@ def main():
         from fusion_compiler.inspect.counting import count_cuda_kernels
 
         split = []
-        limit = K.FUSED_GEMM_MAX_TOKENS
         for t in SPLIT_TOKENS if "split" in parts else ():
             a = make_args(name, t)
             entry = {"tokens": t, "ours_kernels": count_cuda_kernels(lambda: _fused(a)).count,
@@ -357,27 +348,21 @@ def main():
                      "cublas_plus_route_us": common.graph_time_us(lambda i: _cublas(a), 1)}
             if t <= 16:  # both forms, whatever the shipped split (FUSED_GEMM_MAX_TOKENS)
                 for label, split_at in (("one_launch", 16), ("two_launches", 0)):
-                    K.FUSED_GEMM_MAX_TOKENS = split_at
-                    try:
-                        entry[f"{label}_kernels"] = count_cuda_kernels(lambda: _fused(a)).count
-                        entry[f"{label}_us"] = common.graph_time_us(lambda i: _fused(a), 1)
-                    finally:
-                        K.FUSED_GEMM_MAX_TOKENS = limit
+                    config = K.MoeRouteConfig(fused_gemm_max_tokens=split_at)
+                    entry[f"{label}_kernels"] = count_cuda_kernels(lambda: _fused(a, config=config)).count
+                    entry[f"{label}_us"] = common.graph_time_us(lambda i: _fused(a, config=config), 1)
             split.append(entry)
             print(name, entry, flush=True)
         row["split"] = split
         shapes = []
-        saved = (K._TARGET_PROGRAMS, K._MAX_SPLIT)
         for t in (1, 16) if "shape" in parts else ():
             a = make_args(name, t)
             for target, cap in SHAPES:
-                K._TARGET_PROGRAMS, K._MAX_SPLIT = target, cap
+                config = K.MoeRouteConfig(target_programs=target, max_split=cap)
                 try:
-                    us = common.graph_time_us(lambda i: _fused(a), 1)
+                    us = common.graph_time_us(lambda i: _fused(a, config=config), 1)
                 except Exception as e:  # noqa: BLE001 - record and go on
                     us = f"{type(e).__name__}: {e}"[:200]
-                finally:
-                    K._TARGET_PROGRAMS, K._MAX_SPLIT = saved
                 shapes.append({"tokens": t, "target_programs": target, "max_split": cap, "us": us})
                 print(name, shapes[-1], flush=True)
         row["shapes"] = shapes
@@ -396,19 +381,15 @@ def main():
                 print(name, entry, flush=True)
         row["cublas"] = cublas
         warps = []
-        saved_config = K.launch_config
         if "warps" in parts:
             a = make_args(name, 64)
             logits = _cublas(a)[2]
             named = dict(zip(ops._ROUTER_ARG_NAMES, a))
         for nw in (1, 2, 4, 8) if "warps" in parts else ():
-            K.launch_config = lambda *c, _nw=nw: (*saved_config(*c)[:3], _nw)
+            config = K.MoeRouteConfig(route_warps=nw)
             wts = torch.empty(64, named["top_k"], dtype=named["weights_dtype"], device="cuda")
             ids = torch.empty(64, named["top_k"], dtype=torch.int64, device="cuda")
-            try:
-                us = common.graph_time_us(lambda i: K.moe_route_fwd({**named, "logits": logits}, wts, ids), 1)
-            finally:
-                K.launch_config = saved_config
+            us = common.graph_time_us(lambda i: K.moe_route_fwd({**named, "logits": logits}, wts, ids, config=config), 1)
             warps.append({"tokens": 64, "num_warps": nw, "us": us})
             print(name, warps[-1], flush=True)
         row["route_warps"] = warps

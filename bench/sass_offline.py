@@ -11,7 +11,7 @@ and the counts mislead), and ``triton.compile`` targets ("cuda", 90, 32). The Tr
 (``create_function_from_signature``, ``JITFunction._pack_args``): they move between versions.
 
     python bench/sass_offline.py gdn [--tokens 1] [--conv-tile] [--sass out.sass]
-    python bench/sass_offline.py router --model minimax-m2.5 [--knob _MAXNREG=128] [--sass out.sass]
+    python bench/sass_offline.py router --model minimax-m2.5 [--knob maxnreg=0] [--sass out.sass]
     python bench/sass_offline.py gqa --model qwen3.5 [--tokens 1] [--hf] [--fp-fusion on] [--ptx out.ptx]
     python bench/sass_offline.py check     # the shipped launches compile (tests/bench runs it)
     python bench/sass_offline.py check --write bench/results/sass_offline_snapshot.json
@@ -147,20 +147,34 @@ def gdn_launch(tokens: int, conv_tile: bool) -> _Recorder:
 ROUTER_KERNELS = ("_router_gemm_kernel", "_moe_route_kernel")
 
 
-def _knob_value(text: str) -> int | str:
+def _knob_value(text: str) -> int | bool | str | tuple | None:
+    """A ``MoeRouteConfig`` field's value from the command line: an int, true / false, none, a
+    comma-separated tuple (``w_hints=,evict_last``), else the string."""
+    if text.lower() in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[text.lower()]
+    if "," in text:
+        return tuple(text.split(","))
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def router_launch(model: str, tokens: int, knobs: dict) -> _Recorder:
+def router_config(knobs: list[str]):
+    """The ``MoeRouteConfig`` of ``--knob FIELD=VALUE`` items (none: the shipped one)."""
+    from fusion_compiler.kernels.moe_route import MoeRouteConfig
+
+    return MoeRouteConfig(**{k: _knob_value(v) for k, v in (item.split("=", 1) for item in knobs)})
+
+
+def router_launch(model: str, tokens: int, config=None) -> _Recorder:
     """The GEMM-fused router launch (moe_router_fwd) at bench/moe_router_check.py's real widths."""
-    launch = router_launches(model, tokens, knobs)["_router_gemm_kernel"]
+    launch = router_launches(model, tokens, config)["_router_gemm_kernel"]
     if launch.args is None:
         raise RuntimeError("_router_gemm_kernel was not launched")
     return launch
 
 
-def router_launches(model: str, tokens: int, knobs: dict) -> dict[str, _Recorder]:
-    """moe_router_fwd's launches (the GEMM launch; above 16 tokens also the routing kernel)."""
+def router_launches(model: str, tokens: int, config=None) -> dict[str, _Recorder]:
+    """moe_router_fwd's launches (the GEMM launch; above 16 tokens also the routing kernel) with
+    ``config`` (a ``MoeRouteConfig``; None: the shipped launch policy)."""
     from moe_router_check import AB_GATE, MODELS
 
     from fusion_compiler.kernels import moe_route as K
@@ -174,9 +188,8 @@ def router_launches(model: str, tokens: int, knobs: dict) -> dict[str, _Recorder
     gate = torch.empty(tokens, 1, dtype=torch.bfloat16) if gate_w is not None else None
     outs = (torch.empty(tokens, experts, dtype=logits_dtype), torch.empty(tokens, named["top_k"], dtype=named["weights_dtype"]),
             torch.empty(tokens, named["top_k"], dtype=torch.int64))  # fmt: skip
-    with common.module_knobs(K, **knobs):
-        return captured_launches(K, ROUTER_KERNELS,
-                                 lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate))  # fmt: skip
+    return captured_launches(K, ROUTER_KERNELS,
+                             lambda: K.moe_router_fwd(named, x, w, *outs, gate_weight=gate_w, gate=gate, config=config))  # fmt: skip
 
 
 def logits_route_launch(model: str, tokens: int) -> _Recorder:
@@ -390,7 +403,7 @@ def shipped_cases() -> list[tuple[str, str, object]]:
     cases = [(f"gdn tokens={t}{' tile' if tile else ''}", "_gdn_decode_kernel",
               lambda t=t, tile=tile: {"_gdn_decode_kernel": gdn_launch(t, tile)})
              for t in (1, 64) for tile in (False, True)]  # fmt: skip
-    cases += [(f"router {m} tokens={t} {name}", name, lambda m=m, t=t: router_launches(m, t, {}))
+    cases += [(f"router {m} tokens={t} {name}", name, lambda m=m, t=t: router_launches(m, t))
               for m in MODELS for t in (1, 2, 64) for name in ROUTER_KERNELS]  # fmt: skip
     cases += [(f"route from logits {m} tokens=3", "_moe_route_kernel",
                lambda m=m: {"_moe_route_kernel": logits_route_launch(m, 3)}) for m in MODELS]  # fmt: skip
@@ -519,7 +532,9 @@ def main() -> None:
     parser.add_argument("--conv-tile", action="store_true", help="gdn: the tile conv (Tiling.conv_taps False; gdn_decode-7)")
     parser.add_argument("--model", help="router: deepseek-v3.2 (default), minimax-m2.5 or qwen3.5; gqa: minimax-m2.5 "
                                             "(default) or qwen3.5")  # fmt: skip
-    parser.add_argument("--knob", action="append", default=[], help="router: NAME=VALUE (int or str), a kernels/moe_route.py knob")
+    parser.add_argument("--knob", action="append", default=[],
+                        help="router: FIELD=VALUE, a MoeRouteConfig field (kernels/moe_route.py); int, true / false, "
+                             "none, a,b tuple or str")  # fmt: skip
     parser.add_argument("--hf", action="store_true", help="gqa: HF's layout and roundings (gqa_launch)")
     parser.add_argument("--fp-fusion", choices=("on", "off"), help="gqa: override the launch's enable_fp_fusion")
     parser.add_argument("--sass", help="write the SASS listing here")
@@ -537,8 +552,7 @@ def main() -> None:
             launch.kwargs = {**launch.kwargs, "enable_fp_fusion": args.fp_fusion == "on"}
         from fusion_compiler.kernels.gqa_prologue import _gqa_prologue_kernel as kernel
     else:
-        knobs = {k: _knob_value(v) for k, v in (item.split("=", 1) for item in args.knob)}
-        launch = router_launch(args.model or "deepseek-v3.2", args.tokens, knobs)
+        launch = router_launch(args.model or "deepseek-v3.2", args.tokens, router_config(args.knob))
         from fusion_compiler.kernels.moe_route import _router_gemm_kernel as kernel
     compiled = compile_sm90(kernel, launch.args, launch.kwargs)
     result = summary(compiled)

@@ -16,8 +16,6 @@ Weights: fp32 within 1e-6 relative, bf16/fp16 within one unit in the last place.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -45,22 +43,23 @@ TIE_BIAS = (0.0, 0.25)
 # ---------------------------------------------------------------------------------------------
 
 
-def run_kernel(args: tuple):
-    """Run the kernel on NaN / -1 poisoned outputs with a guard row on each side."""
+def run_kernel(args: tuple, config: K.MoeRouteConfig | None = None):
+    """Run the kernel on NaN / -1 poisoned outputs with a guard row on each side (``config``
+    None: the shipped launch policy)."""
     named = dict(zip(_ARG_NAMES, args))
     logits, top_k, wdt = named["logits"], named["top_k"], named["weights_dtype"]
     t = logits.shape[0]
     wbuf = torch.full((t + 2, top_k), float("nan"), dtype=wdt, device=logits.device)
     ibuf = torch.full((t + 2, top_k), -1, dtype=torch.int64, device=logits.device)
-    K.moe_route_fwd(named, wbuf[1 : t + 1], ibuf[1 : t + 1])
+    K.moe_route_fwd(named, wbuf[1 : t + 1], ibuf[1 : t + 1], config=config)
     # Guard rows untouched.
     assert torch.isnan(wbuf[0]).all() and torch.isnan(wbuf[-1]).all(), "weights written out of bounds"
     assert (ibuf[0] == -1).all() and (ibuf[-1] == -1).all(), "ids written out of bounds"
     return wbuf[1 : t + 1], ibuf[1 : t + 1]
 
 
-def assert_matches_reference(args: tuple):
-    weights, ids = run_kernel(args)
+def assert_matches_reference(args: tuple, config: K.MoeRouteConfig | None = None):
+    weights, ids = run_kernel(args, config)
     ref_w, ref_ids = moe_route_reference(*args)
     assert torch.isfinite(weights).all(), "a weight was not written (NaN poison left)"
     assert (ids >= 0).all(), "an id was not written (-1 poison left)"
@@ -310,18 +309,13 @@ def router_args(c: dict, hidden_size: int, duplicate_rows: bool, gate: bool = Fa
             c["weights_dtype"], c["logits_dtype"], gate_weight)
 
 
-@contextlib.contextmanager
-def fused_up_to(tokens: int):
-    """Route with the GEMM in one launch up to ``tokens`` (the launcher's split)."""
-    saved = K.FUSED_GEMM_MAX_TOKENS
-    K.FUSED_GEMM_MAX_TOKENS = tokens
-    try:
-        yield
-    finally:
-        K.FUSED_GEMM_MAX_TOKENS = saved
+def fused_up_to(tokens: int, **fields) -> K.MoeRouteConfig:
+    """The shipped launch policy with the GEMM in one launch up to ``tokens`` (the launcher's
+    split), and ``fields`` of it changed."""
+    return K.MoeRouteConfig(fused_gemm_max_tokens=tokens, **fields)
 
 
-def run_router_kernel(args: tuple):
+def run_router_kernel(args: tuple, config: K.MoeRouteConfig | None = None):
     named = dict(zip(_ROUTER_ARG_NAMES, args))
     hidden, weight = named["hidden"], named["router_weight"]
     t, e, k = hidden.shape[0], weight.shape[0], named["top_k"]
@@ -331,7 +325,7 @@ def run_router_kernel(args: tuple):
     gate_weight = named.get("gate_weight")
     gbuf = torch.full((t + 2, 1), float("nan"), dtype=hidden.dtype, device=DEVICE) if gate_weight is not None else None
     K.moe_router_fwd(named, hidden, weight, lbuf[1 : t + 1], wbuf[1 : t + 1], ibuf[1 : t + 1],
-                     gate_weight=gate_weight, gate=None if gbuf is None else gbuf[1 : t + 1])
+                     gate_weight=gate_weight, gate=None if gbuf is None else gbuf[1 : t + 1], config=config)
     for buf in (lbuf, wbuf) + (() if gbuf is None else (gbuf,)):
         assert torch.isnan(buf[0]).all() and torch.isnan(buf[-1]).all(), "written out of bounds"
     assert (ibuf[0] == -1).all() and (ibuf[-1] == -1).all(), "ids written out of bounds"
@@ -339,8 +333,8 @@ def run_router_kernel(args: tuple):
     return wbuf[1 : t + 1], ibuf[1 : t + 1], lbuf[1 : t + 1], gate
 
 
-def assert_router_matches_reference(args: tuple):
-    weights, ids, logits, gate = run_router_kernel(args)
+def assert_router_matches_reference(args: tuple, config: K.MoeRouteConfig | None = None):
+    weights, ids, logits, gate = run_router_kernel(args, config)
     ref_w, ref_ids, ref_logits, ref_gate = moe_router_reference(*args)
     if gate is not None:  # exact logit; sigmoid's exp may differ from torch's in the last bit
         g, rg = gate.cpu(), ref_gate.cpu()
@@ -369,15 +363,14 @@ def test_router_gemm_tie_free_matches_reference(c):
     args = router_args(c, c["hidden_size"], duplicate_rows=False)
     ref_logits = moe_router_reference(*args)[2]
     assume(ranking_gaps_ok((ref_logits,) + args[2:8]))
-    with fused_up_to(16 if c["fused"] else 0):
-        assert_router_matches_reference(args)
+    assert_router_matches_reference(args, fused_up_to(16 if c["fused"] else 0))
 
 
 @settings(max_examples=examples(8), deadline=None)
 @given(c=router_configs())
 def test_router_gemm_tie_heavy_matches_reference(c):
-    with fused_up_to(16 if c["fused"] else 0):
-        assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True))
+    assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True),
+                                    fused_up_to(16 if c["fused"] else 0))
 
 
 def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
@@ -391,8 +384,7 @@ def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
              renorm_eps=1e-20, scale=2.5, logits_dtype=torch.float32, weights_dtype=torch.float32, seed=11)
     args = router_args(c, 64, duplicate_rows=False)
     assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-    with fused_up_to(16):
-        assert_router_matches_reference(args)
+    assert_router_matches_reference(args, fused_up_to(16))
     assert counters.tolist() == [0, 0]
 
 
@@ -402,8 +394,8 @@ def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, ga
     the unwritten bits for the next launch; two launches in a row on one buffer, different inputs,
     both match the reference (a softmax row of 128 experts, the smallest that polls at 4 warps,
     with or without the gate column, over 8 hidden splits)."""
-    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 64)  # 8 (9 with the gate) expert tiles x 8 splits
-    monkeypatch.setattr(K, "_BLOCK_E", 16)  # (the shipped GEMV shape gives this row one split)
+    # 8 (9 with the gate) expert tiles x 8 splits (the shipped GEMV shape gives this row one split)
+    config = fused_up_to(16, target_programs=64, block_e=16)
     buffers = {}
 
     def persistent(device, split, columns):
@@ -418,8 +410,7 @@ def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, ga
                  renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.float32, seed=seed)
         args = router_args(c, 256, duplicate_rows=False, gate=gate)
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-        with fused_up_to(16):
-            assert_router_matches_reference(args)
+        assert_router_matches_reference(args, config)
     (buffer,) = buffers.values()
     assert buffer.shape[0] == 8 and bool((buffer.view(torch.int32) == -1).all()), "partials left written"
 
@@ -439,8 +430,7 @@ def test_router_gemm_narrow_rows_take_the_counters(monkeypatch):
                  seed=5)  # fmt: skip
         args = router_args(c, 64, duplicate_rows=False)
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-        with fused_up_to(16):
-            assert_router_matches_reference(args)
+        assert_router_matches_reference(args, fused_up_to(16))
     assert made == [(K.gemm_launch_config(1, 128, 64)[4], 128)], made  # the one-token launch's split
 
 
@@ -462,8 +452,7 @@ def test_router_gemm_rejects_what_it_cannot_do():
 def test_router_gemm_hidden_splits(monkeypatch, tokens):
     """Many hidden splits and steps (300 = 5 x 64 - 20: a masked tail in the last split), summed
     in split order; fp32 operands (IEEE dot) for fp32 logits."""
-    monkeypatch.setattr(K, "gemm_launch_config", lambda t, e, h: (16, 16, 64, 2, 3, 4))
-    monkeypatch.setattr(K, "FUSED_GEMM_MAX_TOKENS", 16)
+    monkeypatch.setattr(K, "gemm_launch_config", lambda t, e, h, config: (16, 16, 64, 2, 3, 4))
     c = dict(tokens=tokens, experts=32, n_group=4, topk_group=2, top_k=6, scoring=1, has_bias=True, renormalize=True,
              renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=3)
     assert_router_matches_reference(router_args(c, 300, duplicate_rows=True))
@@ -478,8 +467,8 @@ def test_router_gemm_with_the_shared_expert_gate(tokens, fused):
     """Qwen's shared-expert gate as one more GEMM column: sigmoid(F.linear(hidden, gate_weight))."""
     c = dict(tokens=tokens, experts=64, n_group=1, topk_group=1, top_k=10, scoring=1, has_bias=False, renormalize=True,
              renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=5)
-    with fused_up_to(16 if fused else 0):
-        assert_router_matches_reference(router_args(c, 100, duplicate_rows=True, gate=True))
+    assert_router_matches_reference(router_args(c, 100, duplicate_rows=True, gate=True),
+                                    fused_up_to(16 if fused else 0))
 
 
 @pytest.mark.parametrize("gate", [False, True])
@@ -501,15 +490,15 @@ def test_op_device_body_with_and_without_the_gate(gate):
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing-tail alternatives (kernels/moe_route.py _SELECT / _TAIL_LOADS / _KEYS, timed by
+# Routing-tail alternatives (MoeRouteConfig select / tail_loads / keys, timed by
 # bench/moe_router_check.py): every test above runs ``routing_tail``'s pick for its shape (int32
 # logit keys selected per warp for bf16 rows without a bias and groups, the logit in the int64
 # key with a bias, tl.topk up to 256 experts), so these force the rest.
 # ---------------------------------------------------------------------------------------------
 
-# (_SELECT, _TAIL_LOADS, _KEYS; None: by shape): moe_route-14's forms (int64 score keys: the
-# rounds with either source of the picked scores, the reload being moe_route-12's; tl.topk with
-# the reload), then the per-warp selection over either key, and the logit in the int64 key.
+# (select, tail_loads, keys; None: by shape): int64 score keys with the rounds and either source of
+# the picked scores, tl.topk with the reload, then the per-warp selection over either key, and the
+# logit in the int64 key.
 TAIL_VARIANTS = [(0, 0, 0), (0, 1, 0), (1, 0, 0), (2, 1, 0), (2, None, None), (0, None, None), (1, 2, 0)]
 TAIL_VARIANT_CASES = [
     # (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, duplicate_rows, gate)
@@ -525,12 +514,10 @@ TAIL_VARIANT_CASES = [
 ]
 
 
-@pytest.mark.nightly  # A/B knobs: the CI tier runs each shape's pick (``routing_tail``) in every test above
+@pytest.mark.nightly  # config variants: the CI tier runs each shape's pick (``routing_tail``) in every test above
 @pytest.mark.parametrize("select, tail_loads, keys", TAIL_VARIANTS)
-def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads, keys):
-    monkeypatch.setattr(K, "_SELECT", select)
-    monkeypatch.setattr(K, "_TAIL_LOADS", tail_loads)
-    monkeypatch.setattr(K, "_KEYS", keys)
+def test_router_tail_variants_match_reference(select, tail_loads, keys):
+    tail = dict(select=select, tail_loads=tail_loads, keys=keys)
     for seed, (fused, tokens, experts, n_group, topk_group, top_k, scoring, bias, dup, gate) in enumerate(TAIL_VARIANT_CASES):
         c = dict(tokens=tokens, experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, scoring=scoring,
                  has_bias=bias, renormalize=True, renorm_eps=1e-20, scale=2.5, logits_dtype=torch.bfloat16,
@@ -538,11 +525,10 @@ def test_router_tail_variants_match_reference(monkeypatch, select, tail_loads, k
         args = router_args(c, 48, duplicate_rows=dup, gate=gate)
         if not dup:
             assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8]), "near-tie input: change the seed"
-        with fused_up_to(16 if fused else 0):
-            assert_router_matches_reference(args)
+        assert_router_matches_reference(args, fused_up_to(16 if fused else 0, **tail))
     # every score ties: experts and groups to the lowest indices (routing kernel alone)
     logits = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE)
-    assert_matches_reference((logits, None, 8, 4, 2, 0, True, 0.0, 1.0, torch.float32))
+    assert_matches_reference((logits, None, 8, 4, 2, 0, True, 0.0, 1.0, torch.float32), K.MoeRouteConfig(**tail))
 
 
 @pytest.mark.parametrize("scoring", [0, 1])
@@ -578,24 +564,24 @@ def test_logit_keys_tie_semantics(scoring):
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMM-phase alternatives of the one launch (kernels/moe_route.py _BLOCK_K / _BLOCK_E / _GEMV /
-# _UNROLL / _W_HINTS / _GEMM_WARPS / _GEMM_STAGES and _TARGET_PROGRAMS / _MAX_SPLIT, timed by
+# GEMM-phase alternatives of the one launch (MoeRouteConfig block_k / block_e / gemv / unroll /
+# w_hints / gemm_warps / gemm_stages and target_programs / max_split, timed by
 # bench/moe_router_check.py --parts gemm): each setting against the reference (exact inputs, so
 # bit-equal logits whatever the split or the summation order).
 # ---------------------------------------------------------------------------------------------
 
 GEMM_VARIANTS = {
     # many programs: 19 splits of 16 columns (300 = 19 x 16 - 4), more partials in the tail
-    "programs_512": {"_TARGET_PROGRAMS": 512, "_MAX_SPLIT": 32},
+    "programs_512": {"target_programs": 512, "max_split": 32},
     # wide tiles, 3 steps per split, the loop unrolled, weight-load hints, launch options
     # (.cg with an eviction policy is not PTX: ptxas rejects ".evict_last cannot be combined with .cg")
-    "wide_unrolled": {"_BLOCK_K": 32, "_BLOCK_E": 32, "_TARGET_PROGRAMS": 8, "_UNROLL": True,
-                      "_W_HINTS": (".cg", ""), "_GEMM_WARPS": 8, "_GEMM_STAGES": 2},
+    "wide_unrolled": {"block_k": 32, "block_e": 32, "target_programs": 8, "unroll": True,
+                      "w_hints": (".cg", ""), "gemm_warps": 8, "gemm_stages": 2},
     # one step per program (span 128: 3 splits, the last partly masked)
-    "span": {"_BLOCK_K": 0, "_TARGET_PROGRAMS": 8},
+    "span": {"block_k": 0, "target_programs": 8},
     # the GEMV body at one token (the dot above it), 2 steps of 64
-    "gemv": {"_GEMV": True, "_TARGET_PROGRAMS": 12, "_W_HINTS": ("", "evict_first")},
-    "gemv_span": {"_GEMV": True, "_BLOCK_K": 0, "_TARGET_PROGRAMS": 16, "_UNROLL": True},
+    "gemv": {"gemv": True, "target_programs": 12, "w_hints": ("", "evict_first")},
+    "gemv_span": {"gemv": True, "block_k": 0, "target_programs": 16, "unroll": True},
 }
 GEMM_VARIANT_CASES = [
     # (tokens, experts, n_group, topk_group, top_k, scoring, bias, duplicate_rows, gate, fp32 operands)
@@ -605,11 +591,10 @@ GEMM_VARIANT_CASES = [
 ]
 
 
-@pytest.mark.nightly  # A/B knobs: the CI tier runs the shipped launch shape in every router test above
+@pytest.mark.nightly  # config variants: the CI tier runs the shipped launch shape in every router test above
 @pytest.mark.parametrize("variant", list(GEMM_VARIANTS))
-def test_router_gemm_variants_match_reference(monkeypatch, variant):
-    for name, value in GEMM_VARIANTS[variant].items():
-        monkeypatch.setattr(K, name, value)
+def test_router_gemm_variants_match_reference(variant):
+    config = fused_up_to(16, **GEMM_VARIANTS[variant])
     for seed, (tokens, experts, n_group, topk_group, top_k, scoring, bias, dup, gate, fp32) in enumerate(GEMM_VARIANT_CASES):
         c = dict(tokens=tokens, experts=experts, n_group=n_group, topk_group=topk_group, top_k=top_k, scoring=scoring,
                  has_bias=bias, renormalize=True, renorm_eps=1e-20, scale=2.5,
@@ -619,14 +604,13 @@ def test_router_gemm_variants_match_reference(monkeypatch, variant):
             args = (args[0].float(), args[1].float()) + args[2:]
         if not dup:
             assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8]), "near-tie input: change the seed"
-        with fused_up_to(16):
-            assert_router_matches_reference(args)
+        assert_router_matches_reference(args, config)
 
 
-def test_router_gemm_variant_shapes(monkeypatch):
-    """The knobs' launch shapes at the models' widths (DeepSeek 7168 x 256, Qwen 4096 x 513)."""
-    # shipped (moe_route-14 on): one span per program, the GEMV body at one token, evict_last loads;
-    # moe_route-16: 2 experts a program at one token, spans up to 2048
+def test_router_gemm_variant_shapes():
+    """The config's launch shapes at the models' widths (DeepSeek 7168 x 256, Qwen 4096 x 513)."""
+    # shipped: one span per program, the GEMV body at one token (2 experts a program, spans up to
+    # 2048), evict_last loads
     assert K.gemm_launch_config(1, 256, 7168) == (1, 2, 2048, 1, 4, 4)  # span 7168 -> 2048
     assert K.gemm_launch_config(1, 256, 3072) == (1, 2, 2048, 1, 2, 4)
     assert K.gemm_launch_config(1, 513, 4096) == (1, 2, 2048, 1, 2, 4)
@@ -634,17 +618,12 @@ def test_router_gemm_variant_shapes(monkeypatch):
     assert K.gemm_launch_config(64, 256, 7168)[2:] == (64, 14, 8, 4)  # two launches: 64-column steps
     assert K.gemm_variant_meta(1)[0]["GEMV"] and not K.gemm_variant_meta(16)[0]["GEMV"]
     assert K.gemm_variant_meta(16)[0]["W_EVICT"] == "evict_last" and K.gemm_variant_meta(64)[0]["W_EVICT"] == ""
-    # moe_route-15: the register cap on the <= 16-token launch only; 0 removes it
+    # the register cap on the <= 16-token launch only; 0 removes it
     assert K.gemm_variant_meta(1)[1] == K.gemm_variant_meta(16)[1] == {"maxnreg": 128}
     assert K.gemm_variant_meta(64)[1] == {}
-    monkeypatch.setattr(K, "_MAXNREG", 0)
-    assert K.gemm_variant_meta(1)[1] == {}
-    # moe_route-13's shape
-    monkeypatch.setattr(K, "_BLOCK_K", 64)
-    monkeypatch.setattr(K, "_GEMV", False)
-    assert K.gemm_launch_config(1, 256, 7168) == (16, 16, 64, 14, 8, 4)
-    monkeypatch.setattr(K, "_BLOCK_K", 256)
-    monkeypatch.setattr(K, "_BLOCK_E", 32)
-    monkeypatch.setattr(K, "_TARGET_PROGRAMS", 256)
-    monkeypatch.setattr(K, "_MAX_SPLIT", 32)
-    assert K.gemm_launch_config(16, 256, 7168) == (16, 32, 256, 1, 28, 4)
+    assert K.gemm_variant_meta(1, K.MoeRouteConfig(maxnreg=0))[1] == {}
+    # 64-column steps and a 16-row tl.dot at one token too
+    steps = K.MoeRouteConfig(maxnreg=0, block_k=64, gemv=False)
+    assert K.gemm_launch_config(1, 256, 7168, steps) == (16, 16, 64, 14, 8, 4)
+    wide = K.MoeRouteConfig(maxnreg=0, gemv=False, block_k=256, block_e=32, target_programs=256, max_split=32)
+    assert K.gemm_launch_config(16, 256, 7168, wide) == (16, 32, 256, 1, 28, 4)
