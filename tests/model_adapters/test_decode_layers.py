@@ -221,9 +221,9 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
     merged GEMM) become merged_linear reading the bf16 weights, with no fp32 copy of them (a lone
     one only where FusionConfig.skinny_gemm reaches, CUDA: made CPU here to see it). (Two layers
     give 2x the same count; their output is 1.2e-2 from eager with or without this pass.)"""
-    from fusion_compiler.passes import fusion_pass
+    from fusion_compiler.passes import merge_projections as stage
 
-    real, widened = fusion_pass.merge_projections, []
+    real, widened = stage.merge_projections, []
 
     def cpu_too(graph, single_devices, declined=None):
         result = real(graph, single_devices + ("cpu",), declined)
@@ -233,7 +233,7 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
                 widened.extend(tuple(w.meta["val"].shape) for w in weights if w.meta["val"].dtype != x.meta["val"].dtype)
         return result
 
-    monkeypatch.setattr(fusion_pass, "merge_projections", cpu_too)
+    monkeypatch.setattr(stage, "merge_projections", cpu_too)
     model = _build("deepseek", 1)
     step = deepseek.make_step(model, tokens=2)
     eager_step, fused_step = step.clone(), step.clone()
