@@ -58,11 +58,12 @@ class FusionConfig:
         that names no module of the compiled model is an error (`UnknownModuleError`).
     inductor_cache: let Inductor's FX-graph cache serve compiled graphs. Off by default:
         a cache hit skips our pass, so that compile would have no match report.
-    horizontal_merge: fold a layer's independent prologue sites (passes/horizontal.py) into
-        one launch each side of the q_b GEMM (DeepSeek V3.2: 2 kernels instead of 5).
+    horizontal_merge: fold a layer's independent prologue sites
+        (patterns/mla_prologue_horizontal.py) into one launch each side of the q_b GEMM
+        (DeepSeek V3.2: 2 kernels instead of 5).
     merge_projections: GEMMs left after the families that read the same activation (q / k / v,
         a shared expert's gate / up, ...) become one GEMM over the concatenated weights
-        (passes/merge_projections.py; the concatenation is made once, on the first call). A
+        (patterns/merge_projections.py; the concatenation is made once, on the first call). A
         weight cast to a wider float before its GEMM (``x @ w.float().t()``) is read in its
         stored dtype and widened in the GEMM, with no wider copy written each call.
     skinny_gemm: on CUDA, a projection left alone (o_proj, out_proj, a shared expert's down, ...)
@@ -70,9 +71,9 @@ class FusionConfig:
         ``kernels/skinny_gemm.MAX_TOKENS`` rows runs our skinny GEMM kernel (one launch that
         streams the weight) instead of cuBLAS's split-K GEMM + reduce; larger M runs torch.mm.
     decode_attention: a single-query SDPA over HF's ``repeat_kv`` of a K/V cache reads the cache
-        itself, once for all query heads of a K/V head (passes/decode_attention.py).
+        itself, once for all query heads of a K/V head (patterns/decode_attention.py).
     dsa_topk_mask: DeepSeek V3.2's DSA indexer scores, top-k and the scatter of its indices into
-        the attention mask become one op (passes/dsa_topk_mask.py: a score kernel and a radix
+        the attention mask become one op (patterns/dsa_topk_mask.py: a score kernel and a radix
         select, no sort).
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.

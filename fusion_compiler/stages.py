@@ -77,15 +77,15 @@ STAGES: tuple[Stage, ...] = (
     Stage("gated_rms_norm", FAMILY, "patterns.gated_rms_norm", ("rms_norm",)),  # the same kernel, gated
     Stage("add_rms_norm", FAMILY, "patterns.add_rms_norm", ("rms_norm",)),
     # The prologue families' folds, on the ops their Triton lowering leaves.
-    Stage("mla_prologue_horizontal", FOLD, "passes.horizontal", ("mla_kv_prologue", "mla_q_prologue"),
+    Stage("mla_prologue_horizontal", FOLD, "patterns.mla_prologue_horizontal", ("mla_kv_prologue", "mla_q_prologue"),
           flag="horizontal_merge", needs=("mla_prologue", "triton")),
-    Stage("gqa_prologue_rope_gather", FOLD, "passes.rope_gather", ("gqa_prologue",), needs=("gqa_prologue", "triton")),
-    Stage("gqa_prologue_tp_variance", FOLD, "passes.tp_variance", ("gqa_prologue",), needs=("gqa_prologue", "triton")),
+    Stage("gqa_prologue_rope_gather", FOLD, "patterns.gqa_prologue_rope_gather", ("gqa_prologue",), needs=("gqa_prologue", "triton")),
+    Stage("gqa_prologue_tp_variance", FOLD, "patterns.gqa_prologue_tp_variance", ("gqa_prologue",), needs=("gqa_prologue", "triton")),
     # Rewrites keyed on the graph alone, outside the families' pattern registry.
-    Stage("dsa_topk_mask", GRAPH_PASS, "passes.dsa_topk_mask", ("dsa_topk_mask",), flag="dsa_topk_mask"),
-    Stage("decode_attention", GRAPH_PASS, "passes.decode_attention", ("decode_attention",), flag="decode_attention"),
+    Stage("dsa_topk_mask", GRAPH_PASS, "patterns.dsa_topk_mask", ("dsa_topk_mask",), flag="dsa_topk_mask"),
+    Stage("decode_attention", GRAPH_PASS, "patterns.decode_attention", ("decode_attention",), flag="decode_attention"),
     # Last: GEMMs that no family took. skinny_gemm: a lone projection's small-M path.
-    Stage("merge_projections", FOLD, "passes.merge_projections", ("skinny_gemm",),
+    Stage("merge_projections", FOLD, "patterns.merge_projections", ("skinny_gemm",),
           flag="merge_projections", options=("skinny_gemm",)),
 )  # fmt: skip
 

@@ -316,7 +316,7 @@ def _miss_lines(misses: list[dict], explain: bool) -> list[str]:
 
 def format_table(result: dict, explain: bool = False) -> str:
     """The per-layer table; with ``explain``, each miss's chain of FX nodes from its anchor to
-    the node where matching diverged (passes/explain.py)."""
+    the node where matching diverged (fx/explain.py)."""
     head = f"{result['model']} ({result['size']}, {result['layers']} layers, {result['device']}, batch {result['batch']})"
     source = {m: result["per_layer"][0]["kernels"][m]["count_source"] for m in MODES}
     lines = [

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..module_paths import layer_of
+from ..fx.module_paths import layer_of
 
 # Experts implementation used when none is asked for: "grouped_mm" (the transformers 5.17 default,
 # torch.nn.functional.grouped_mm over the full expert weights with per-expert offsets). Checked on

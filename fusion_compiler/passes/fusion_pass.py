@@ -11,12 +11,12 @@ import torch
 
 from .. import _compat
 from ..config import FAMILY_ORDER, FusionConfig
-from ..module_paths import module_path
+from ..fx import canonicalize as canonicalize_module
+from ..fx.explain import chain
+from ..fx.module_paths import module_path
 from ..patterns import FAMILIES
 from ..patterns.registry import Family, failed_match_reason, run_family
 from ..stages import FAMILY, GRAPH_PASS, STAGES, stage_module
-from . import canonicalize as canonicalize_module
-from .explain import chain
 from .report import GraphReport, MatchReport, Site, modules_in
 
 log = logging.getLogger("fusion_compiler")

@@ -8,24 +8,9 @@ from typing import Any
 
 import torch
 
-from ..module_paths import layer_of, normalize_module_path
+from ..fx.module_paths import layer_of, normalize_module_path
+from ..patterns.site import Site
 from ..stages import FOLD, of_kind, stage_module
-
-@dataclasses.dataclass
-class Site:
-    family: str
-    status: str  # "matched" | "missed"
-    variant: str | None
-    module: str | None
-    anchor: str
-    reason: str | None = None  # for a miss: why
-    stopped_at: str | None = None  # for a miss: the node where matching stopped
-    chain: tuple[str, ...] = ()  # for a miss: the nodes from the anchor to stopped_at (passes/explain.py)
-
-    @property
-    def layer(self) -> int | None:
-        return layer_of(self.module)
-
 
 @dataclasses.dataclass
 class GraphReport:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..module_paths import module_path
+from ..fx.module_paths import module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import rms_norm as rms_norm_ops
 from . import prologue_calls

@@ -5,7 +5,7 @@ often thousands of characters long. A miss needs two things from it: the graph n
 model's code left the pattern, and what the pattern expected there, e.g. ``at slice_2 the model
 has a slice of getitem_1 where the pattern expects a dtype cast of q_pe``. The path of nodes
 from the site's anchor to that node stays in the report for ``inspect --explain``
-(``Site.chain``, passes/explain.py).
+(``Site.chain``, fx/explain.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..ops import rms_norm as rms_norm_ops
 from . import add_rms_norm
-from .graph_walk import is_sigmoid, is_silu
+from ..fx.graph_walk import is_sigmoid, is_silu
 from .registry import Family, Reason, Variant
 
 aten = torch.ops.aten

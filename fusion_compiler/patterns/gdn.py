@@ -46,10 +46,10 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..ops import gdn_decode as gdn_ops
-from .graph_walk import downstream as _downstream
-from .graph_walk import is_silu as _is_silu
-from .graph_walk import target as _target
-from .graph_walk import upstream as _upstream
+from ..fx.graph_walk import downstream as _downstream
+from ..fx.graph_walk import is_silu as _is_silu
+from ..fx.graph_walk import target as _target
+from ..fx.graph_walk import upstream as _upstream
 from .registry import Family, Reason, Variant
 
 aten = torch.ops.aten

@@ -28,7 +28,7 @@ full-width norm's mean of squares is global: the local means are all-reduced (vL
 all-reduce stays in the graph; these variants match the side after it, taking the global
 variance as an input, and the guard follows that input back: ``wait_tensor(all_reduce(local,
 "sum", group)) / world`` (a column of it when q and k share one [T, 2] all-reduce), the local
-part being the mean of squares of the same q (or k). passes/tp_variance.py then folds the
+part being the mean of squares of the same q (or k). patterns/gqa_prologue_tp_variance.py then folds the
 division into the op and fuses the two local means before the all-reduce into one op.
 
 The op rounds where each spelling rounds (its ``round_normalized`` / ``round_rope_products``):
@@ -57,7 +57,7 @@ import torch
 from .. import _compat
 from ..ops import gqa_prologue as gqa_ops
 from . import add_rms_norm, mla_prologue
-from .graph_walk import walk
+from ..fx.graph_walk import walk
 from .registry import Family, Reason, Variant
 from .spellings import FP8, write_rows
 
@@ -533,7 +533,7 @@ def replacement(variant: Variant, lowering: str):
             slots = where if lead[0] == 1 else (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
         else:
             slots = where
-        # The TP variants hand over the divided global variance (divisor 1); passes/tp_variance.py
+        # The TP variants hand over the divided global variance (divisor 1); patterns/gqa_prologue_tp_variance.py
         # later gives the op the all-reduced sums and the world size instead.
         variances = dict(q_variance=q_var, k_variance=k_var, variance_divisor=1.0) if p["tp"] else {}
         q_out, k_new, v_new = _call(

@@ -14,7 +14,7 @@ candidate, so an unfused one is reported):
 
 Each comes as HF transformers writes it (``*.hf``: no FP8, no latent cache) and as a serving
 engine writes it from DeepSeek's inference code (model_adapters/deepseek_v32/reference.py).
-The horizontal merge (passes/horizontal.py) then folds each layer's sites into one launch
+The horizontal merge (patterns/mla_prologue_horizontal.py) then folds each layer's sites into one launch
 before the q_b GEMM and one after it.
 
 Inductor's pattern tracer turns ints, lists and dtypes into wildcards, so a NeoX RoPE

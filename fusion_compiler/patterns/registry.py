@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..fx.canonicalize import canonicalize
 from . import failed_match
 
 log = logging.getLogger("fusion_compiler")
@@ -212,8 +213,6 @@ def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     canonical spellings (the pass canonicalises the real graph the same way). Inside
     ``run_family`` a repeat of an earlier trace (same function, same argument metadata) is a
     copy of it (``_SITE_TRACES``)."""
-    from ..passes.canonicalize import canonicalize  # the pass owns the rules; no import cycle at load
-
     cache = _SITE_TRACES[-1] if _SITE_TRACES else None
     key = _trace_key(fn, args, kwargs) if cache is not None else None
     if key is not None and key in cache:

@@ -221,7 +221,7 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
     merged GEMM) become merged_linear reading the bf16 weights, with no fp32 copy of them (a lone
     one only where FusionConfig.skinny_gemm reaches, CUDA: made CPU here to see it). (Two layers
     give 2x the same count; their output is 1.2e-2 from eager with or without this pass.)"""
-    from fusion_compiler.passes import merge_projections as stage
+    from fusion_compiler.patterns import merge_projections as stage
 
     real, widened = stage.merge_projections, []
 

@@ -1,4 +1,4 @@
-"""passes/decode_attention.py on HF's real attention code (SDPA over ``repeat_kv``), and near misses.
+"""patterns/decode_attention.py on HF's real attention code (SDPA over ``repeat_kv``), and near misses.
 
 HF's decode step of each model, tiny widths, CPU (Inductor's CPU flash SDPA op): one
 decode_attention site per attention layer, matched; the logits equal eager's within bf16
@@ -17,7 +17,7 @@ import torch
 
 import fusion_compiler as fc
 from fusion_compiler.model_adapters import get_adapter, make_decode_step
-from fusion_compiler.passes.decode_attention import FAMILY
+from fusion_compiler.patterns.decode_attention import FAMILY
 from fusion_compiler.verify import relative_error
 
 # model -> (layers built, attention layers among them, variant)

@@ -1,4 +1,4 @@
-"""passes/dsa_topk_mask.py on HF's DeepSeek V3.2 indexer, on its math in miniature, and near misses.
+"""patterns/dsa_topk_mask.py on HF's DeepSeek V3.2 indexer, on its math in miniature, and near misses.
 
 HF's decode step is tested in tests/patterns/test_mla_prologue.py (its strict 2-layer compile
 expects one dsa_topk_mask site per indexer). The miniature repeats the indexer tail and the attention's scatter as HF writes them
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from fusion_compiler.passes.dsa_topk_mask import FAMILY
+from fusion_compiler.patterns.dsa_topk_mask import FAMILY
 
 BATCH, HEADS, DIM, KEYS, TOPK = 2, 6, 16, 24, 5
 

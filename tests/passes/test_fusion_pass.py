@@ -12,7 +12,7 @@ import torch
 import fusion_compiler as fc
 from fusion_compiler.passes.fusion_pass import PACKAGE_ROOT, pass_uuid, source_digest
 from fusion_compiler.passes.report import GraphReport, MatchReport
-from fusion_compiler.module_paths import layer_of, normalize_module_path
+from fusion_compiler.fx.module_paths import layer_of, normalize_module_path
 from stack_fixtures import BF16, EXPECTED, Stack, wrong_add_rms_norm
 
 

@@ -1,4 +1,4 @@
-"""passes/merge_projections.py: GEMMs of one activation become one GEMM, on HF's real code
+"""patterns/merge_projections.py: GEMMs of one activation become one GEMM, on HF's real code
 (counts per model asserted) and on near misses that must stay apart."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_lone_projections_become_the_op_only_on_the_named_devices(single_devices
     """FusionConfig.skinny_gemm passes ("cuda",): a lone projection there becomes merged_linear
     with one weight (the skinny GEMM path), an exactly widened weight read in its own dtype;
     elsewhere nothing changes, nor does a GEMM whose second operand is a narrowed weight."""
-    from fusion_compiler.passes.merge_projections import merge_projections
+    from fusion_compiler.patterns.merge_projections import merge_projections
 
     gm, args = _traced_projections()
     merged, lone = merge_projections(gm.graph, single_devices)
@@ -118,7 +118,7 @@ def test_a_group_the_op_cannot_take_stays_and_says_why():
     own mm nodes, and the group comes back with the op's rule it breaks."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fusion_compiler.passes.merge_projections import merge_projections
+    from fusion_compiler.patterns.merge_projections import merge_projections
 
     def int_projections(x, wa, wb):
         return x @ wa.t(), x @ wb.t()

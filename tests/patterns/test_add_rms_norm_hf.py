@@ -12,7 +12,7 @@ import torch
 import fusion_compiler as fc
 from fusion_compiler._compat import TORCH_VERSION
 from fusion_compiler.model_adapters import get_adapter, make_decode_step, rms_norm_sites
-from fusion_compiler.module_paths import layer_of
+from fusion_compiler.fx.module_paths import layer_of
 from fusion_compiler.verify import relative_error
 
 FAMILY = "add_rms_norm"

@@ -69,7 +69,7 @@ def test_hf_model_fuses_every_site_again_after_the_batch_goes_dynamic(model_name
     then 64): DeepSeek's router and Qwen3.5's GDN core were refused in the dynamic graph, since
     Dynamo passed the batch symbol through several placeholders and Inductor's re-trace of a
     match binds one per symbol; DeepSeek's layer ran 2.6x slower than stock Inductor at batch 64.
-    passes/canonicalize.py now names one placeholder per symbol and spells a dynamic reshape's
+    fx/canonicalize.py now names one placeholder per symbol and spells a dynamic reshape's
     symbolic dim -1."""
     adapter = get_adapter(model_name)
     model = adapter.build_hf(size="tiny", layers=4 if model_name == "qwen3.5" else 2, device="cpu",

@@ -6,7 +6,7 @@
   rows at the new position close to eager's and every other cache byte unchanged.
 - Our serving-engine references (model_adapters/*/reference.py: fused qkv, paged caches, bf16
   and FP8): a 2-layer stack fuses one site per layer, each reading the RoPE table at the
-  positions itself (passes/rope_gather.py); q, the gate and the written cache bytes equal
+  positions itself (patterns/gqa_prologue_rope_gather.py); q, the gate and the written cache bytes equal
   eager's (FP8 codes too: the op rounds where the references round), untouched slots unchanged.
 - Near misses: per-head norm where full-width is expected and the reverse, a plain ``w`` where
   Gemma's ``1 + w`` is expected (and an offset other than 1), RoPE over all dims in serving

@@ -18,7 +18,7 @@ import torch
 import fusion_compiler as fc
 from fusion_compiler.model_adapters import make_decode_step
 from fusion_compiler.model_adapters.deepseek_v32 import reference as ref
-from fusion_compiler.module_paths import layer_of
+from fusion_compiler.fx.module_paths import layer_of
 from fusion_compiler.verify import relative_error
 from hf_fixtures import default_decode_run
 
@@ -116,7 +116,7 @@ def test_hf_every_layer_fuses_its_four_sites(hf_run):
 
 
 def test_hf_indexer_top_k_mask_fuses_once_per_layer(hf_run):
-    """passes/dsa_topk_mask.py on HF's indexer + the attention's scatter (context 16 > the tiny
+    """patterns/dsa_topk_mask.py on HF's indexer + the attention's scatter (context 16 > the tiny
     index_topk 8, so the mask drops keys); the logits test below covers its numbers."""
     report = hf_run.report
     indexers = {"model.layers.0.self_attn.indexer": 1, "model.layers.1.self_attn.indexer": 1}

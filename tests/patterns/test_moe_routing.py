@@ -243,7 +243,7 @@ def test_online_softmax_without_a_top_k_keeps_its_online_form():
     import torch._inductor.inductor_prims  # noqa: F401
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fusion_compiler.passes.canonicalize import canonicalize
+    from fusion_compiler.fx.canonicalize import canonicalize
 
     def attention_like(scores, v):
         top, total = torch.ops.prims.prepare_softmax_online(scores, 1)

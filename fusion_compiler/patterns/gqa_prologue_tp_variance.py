@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..patterns.gqa_prologue import GlobalVariance, global_variance, mean_square_source
+from .gqa_prologue import GlobalVariance, global_variance, mean_square_source
 
 aten = torch.ops.aten
 

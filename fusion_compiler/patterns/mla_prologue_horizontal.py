@@ -21,8 +21,8 @@ import operator
 import torch
 
 from .. import _compat
-from ..module_paths import layer_of, module_path
-from .canonicalize import reshape_sizes
+from ..fx.canonicalize import reshape_sizes
+from ..fx.module_paths import layer_of, module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import mla_q_prologue as q_ops
 

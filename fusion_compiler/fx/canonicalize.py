@@ -34,7 +34,7 @@ import operator
 
 import torch
 
-from ..patterns.graph_walk import val_shape
+from .graph_walk import val_shape
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -22,9 +22,9 @@ from collections import defaultdict
 
 import torch
 
-from ..module_paths import module_path
+from ..fx.graph_walk import CASTS, RESHAPES
+from ..fx.module_paths import module_path
 from ..ops import merged_linear as merged_ops
-from ..patterns.graph_walk import CASTS, RESHAPES
 
 aten = torch.ops.aten
 

@@ -23,9 +23,9 @@ import operator
 
 import torch
 
-from ..module_paths import module_path
-from ..patterns.graph_walk import RESHAPES, val_shape
-from .report import Site
+from ..fx.graph_walk import RESHAPES, val_shape
+from ..fx.module_paths import module_path
+from .site import Site
 
 aten = torch.ops.aten
 FAMILY = "decode_attention"

@@ -31,10 +31,10 @@ import operator
 
 import torch
 
-from ..module_paths import module_path
-from ..patterns.graph_walk import CASTS, RESHAPES, target, val_shape
-from .explain import chain
-from .report import Site
+from ..fx.explain import chain
+from ..fx.graph_walk import CASTS, RESHAPES, target, val_shape
+from ..fx.module_paths import module_path
+from .site import Site
 
 aten = torch.ops.aten
 FAMILY = "dsa_topk_mask"
