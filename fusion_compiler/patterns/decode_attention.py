@@ -5,9 +5,9 @@ HF's SDPA attention with fewer K/V heads than query heads repeats the whole cach
 (``repeat_kv``: ``expand`` + ``clone`` + ``reshape`` to every query head), then runs SDPA with
 the causal mask of a static cache. At decode that copy is the layer's largest memory traffic:
 on the H200, MiniMax-M2.5's two copies took 32 us of a 130 us layer at batch 1 and 1.9 ms of
-3.4 ms at batch 64 (bench/NOTES.md, session 9), and SDPA then read G times the cache's bytes.
-The op reads each K/V row once for all G query heads of its K/V head; the copies become dead
-code. Without a repeat (DeepSeek's expanded MLA cache, G = 1) the op is the same attention.
+3.4 ms at batch 64 (bench/NOTES.md, sections 6 and 17), and SDPA then read G times the cache's
+bytes. The op reads each K/V row once for all G query heads of its K/V head; the copies become
+dead code. Without a repeat (DeepSeek's expanded MLA cache, G = 1) the op is the same attention.
 
 Keyed on the graph, not on module names: every SDPA op of Inductor's post-grad graphs (the
 device's lowering: CPU flash, cuDNN, memory-efficient, flash) whose query length is 1 is a

@@ -228,10 +228,11 @@ def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
 
 # Per-match traces of one run_family call, by (function, argument metadata). Inductor re-traces
 # the search with each structural match's own shapes and traces the replacement for it (~10 ms
-# each on CPU): once per layer, so a 61-layer model paid ~60x for the same graphs (session 13:
-# 36 traces, 17 distinct, in a 2-layer DeepSeek V3.2 step). One run is one graph and one fake
-# mode, so a copy is what a fresh trace would give. The check's own trace of a replacement
-# (_lowering_reason) makes Inductor's trace right after it one of these copies.
+# each on CPU): once per layer, so a model of N layers would trace the same graphs N times (a
+# 2-layer DeepSeek V3.2 step traces 36, of which 17 are distinct; bench/NOTES.md, "Compile
+# time"). One run is one graph and one fake mode, so a copy is what a fresh trace would give. The
+# check's own trace of a replacement (_lowering_reason) makes Inductor's trace right after it one
+# of these copies.
 _SITE_TRACES: list[dict] = []
 
 
