@@ -10,7 +10,7 @@
       -> (Tensor q_out, Tensor q_scale, Tensor kv_out, Tensor k_pe_out, Tensor index_k_out)
 
 Three independent roles, each present when its input is given (one CUDA program per token
-and role; the horizontal merge in ``passes/horizontal.py`` folds sibling sites into one call):
+and role; the horizontal merge in ``patterns/mla_prologue_horizontal.py`` folds sibling sites into one call):
 
 * q role (``q_c`` [T, q_rank]): RMSNorm; with ``q_quant_group`` > 0, FP8 group quant of the
   result, rounded to q_c's dtype first unless ``round_before_quant`` is false (``fp8_quant.py`` contract) for the FP8 q_b GEMM: ``q_out`` fp8, ``q_scale`` fp32
