@@ -17,8 +17,9 @@ on HF's code, whose hybrid cache needs a full-attention layer, and ([linear, lin
 [linear]) on ours. "Stock Inductor + CUDA graphs", the issue's baseline, is the faster of
 inductor_graph and reduce_overhead in the same run.
 
-Inputs. Ours: the reference step (``*/decode_layer.py`` ``make_step``): paged caches holding
-``--context`` tokens per sequence, state slots, random values. HF's: a ``StaticCache`` of
+Inputs. Ours: the reference step (``model_adapters/reference/<model>_decode_layer.py``
+``make_step``): paged caches holding ``--context`` tokens per sequence, state slots, random
+values. HF's: a ``StaticCache`` of
 ``--context`` slots, prefilled with 16 tokens (HF's attention reads, masked, every slot of a
 static cache each step, so the attention's bytes are those of the full context); each call
 writes one more slot, and every mode starts from the restored prefill. Every mode runs on the
@@ -41,7 +42,7 @@ Experts: identical in every mode, so the comparison isolates fusion. HF's routed
 stubbed to zeros by default (``--hf-experts``: the issue's latency bar), leaving attention +
 router + norms + shared expert; ours run through an opaque op, by default reading each chosen
 expert once (``--ref-experts grouped``: on CUDA up to 160 (token, k) pairs two Triton GEMV
-kernels, ``model_adapters/experts_kernel.py``, else ``torch._grouped_mm``; ``compute`` gathers
+kernels, ``kernels/routed_experts.py``, else ``torch._grouped_mm``; ``compute`` gathers
 every token's experts' weights, ~27 ms a MiniMax layer at batch 64). The reference layers'
 attention core is an opaque op too (``paged_kv.paged_decode_attention``: on CUDA a split-KV
 Triton kernel reading the paged cache through the slot table, ``kernels/paged_decode_attention.py``;
@@ -78,7 +79,8 @@ import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.cudagraph import kernel_nodes  # noqa: E402
 from fusion_compiler.inspect import counting  # noqa: E402
 from fusion_compiler.inspect.run import build_stack  # noqa: E402
-from fusion_compiler.model_adapters import base, get_adapter, make_decode_step, moe  # noqa: E402
+from fusion_compiler.model_adapters import base, get_adapter, make_decode_step  # noqa: E402
+from fusion_compiler.model_adapters.reference import moe  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 MODES = ("eager", "eager_graph", "inductor", "inductor_graph", "reduce_overhead", "fusion_compiler")
@@ -116,7 +118,7 @@ class Stack:
 
 
 def build_reference(model: str, kinds: tuple[str, ...], size: str, device: str, experts: str) -> Stack:
-    layer = importlib.import_module(f"fusion_compiler.model_adapters.{MODELS[model]}.decode_layer")
+    layer = importlib.import_module(f"fusion_compiler.model_adapters.reference.{MODELS[model]}_decode_layer")
     cfg = layer.REAL if size == "real" else layer.TINY
     stack_kinds = list(kinds) if model == "qwen3.5" else len(kinds)
     built = layer.build(cfg, stack_kinds, experts=experts, device=device)
@@ -172,7 +174,7 @@ class Step:
                 raise ValueError(f"HF's StaticCache did not build for this model ({self.hf.cache_kind} cache)")
             self.kwargs = self.hf.kwargs
         else:
-            layer = importlib.import_module(f"fusion_compiler.model_adapters.{MODELS[model]}.decode_layer")
+            layer = importlib.import_module(f"fusion_compiler.model_adapters.reference.{MODELS[model]}_decode_layer")
             self.hf = None
             self.kwargs = layer.make_step(stack.model, tokens=batch, context=context, seed=1).kwargs
             self._snapshot = {k: base._restore_(None, v) if isinstance(v, (torch.Tensor, list)) else v

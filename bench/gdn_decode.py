@@ -2,7 +2,7 @@
 
 The region is one GDN layer's decode step between the projections and out_proj (post in_proj ->
 pre out_proj), written as our serving-engine reference writes it
-(``model_adapters/qwen35/gdn_reference.py``, ``GatedDeltaNet.core``: the ``slots`` variant of
+(``model_adapters/reference/qwen35_gdn.py``, ``GatedDeltaNet.core``: the ``slots`` variant of
 patterns/gdn.py), at Qwen3.5's real dims: 16 key heads, 64 value heads, head dims 128, conv
 kernel 4, an fp32 recurrent state [64, 128, 128] (4 MiB) per sequence. The conv state is kept
 HF-wide ([conv_dim, K], the oldest column shifted out unread) because fla's conv update reads
@@ -61,7 +61,7 @@ import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.kernels import gdn_decode as gdn_kernel  # noqa: E402
-from fusion_compiler.model_adapters.qwen35 import gdn_reference as ref  # noqa: E402
+from fusion_compiler.model_adapters.reference import qwen35_gdn as ref  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 TOKENS = (1, 8, 64, 256)
@@ -329,7 +329,7 @@ def main() -> None:
         rows.append(row)
         if args.out:  # after every row: a run cut short by its time limit keeps what it measured
             common.write_json(args.out, {"device": facts, "kernel": gdn_kernel.KERNEL_VERSION, "copy_bandwidth_gbs": bandwidth,
-                                         "config": dataclasses.asdict(cfg), "eager": "model_adapters/qwen35/gdn_reference.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
+                                         "config": dataclasses.asdict(cfg), "eager": "model_adapters/reference/qwen35_gdn.py GatedDeltaNet.core", "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

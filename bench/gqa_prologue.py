@@ -1,8 +1,8 @@
 """GQA attention prologue region on the H200: eager vs stock Inductor vs ours (issue 5).
 
 The region is one attention layer's work between the qkv GEMM and attention, written as the
-serving-engine references write it (model_adapters/minimax_m2 and qwen35 ``after_qkv``) at real
-widths:
+serving-engine references write it (model_adapters/reference/{minimax_m2,qwen35}.py
+``after_qkv``) at real widths:
 
   MiniMax-M2.5  split q | k | v (6144 | 1024 | 1024), full-width q / k RMSNorm, NeoX RoPE on 64
                 of 128 dims, K / V into paged caches (bf16, or FP8 with per-tensor scales);
@@ -32,8 +32,8 @@ import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.kernels.gqa_prologue import GqaPrologueConfig  # noqa: E402
-from fusion_compiler.model_adapters.minimax_m2 import reference as minimax  # noqa: E402
-from fusion_compiler.model_adapters.qwen35 import reference as qwen  # noqa: E402
+from fusion_compiler.model_adapters.reference import minimax_m2 as minimax  # noqa: E402
+from fusion_compiler.model_adapters.reference import qwen35 as qwen  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 4096)

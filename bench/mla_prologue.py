@@ -1,7 +1,7 @@
 """DeepSeek V3.2 attention prologue region on the H200: eager vs stock Inductor vs ours.
 
 The region is everything of one layer's attention between the GEMMs, written as the serving
-engine reference writes it (model_adapters/deepseek_v32/reference.py) at real widths, FP8
+engine reference writes it (model_adapters/reference/deepseek_v32.py) at real widths, FP8
 caches (fp8_ds_mla latent, 132 B/token indexer) and ue8m0 scales:
 
   before q_b:  q_a RMSNorm + FP8 quant; kv_a RMSNorm + GPT-J RoPE + FP8 + latent-cache write;
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
-from fusion_compiler.model_adapters.deepseek_v32 import reference as ref  # noqa: E402
+from fusion_compiler.model_adapters.reference import deepseek_v32 as ref  # noqa: E402
 from fusion_compiler.inspect.counting import count_cuda_kernels  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 

@@ -58,7 +58,7 @@ def assert_hf_caches(eager_step, fused_cache, attention_layers):
 def paged_decode(ref, ours, cfg, x: torch.Tensor, k_scale=1.0, v_scale=1.0):
     """Decode x [L, hidden] through a reference ``Attention`` one token at a time, the
     sequence's blocks scattered in the paged caches. Returns (outputs [L, hidden], k_cache)."""
-    from fusion_compiler.model_adapters import paged_kv
+    from fusion_compiler.model_adapters.reference import paged_kv
 
     length = x.shape[0]
     blocks = -(-length // cfg.block_size)

@@ -1,5 +1,5 @@
 """The reference layers' routed experts at small batches on the GPU: the small-batch Triton
-kernels (fusion_compiler/model_adapters/experts_kernel.py) against the grouped path
+kernels (fusion_compiler/kernels/routed_experts.py) against the grouped path
 (``moe._grouped_experts``: sort + two ``torch._grouped_mm``), and their launch shapes.
 
 For MiniMax-M2.5 (256 experts, top 8, H 3072, I 1536), Qwen3.5-397B (512, top 10, H 4096,
@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 
-from fusion_compiler.model_adapters import experts_kernel as K  # noqa: E402
-from fusion_compiler.model_adapters import moe  # noqa: E402
+from fusion_compiler.kernels import routed_experts as K  # noqa: E402
+from fusion_compiler.model_adapters.reference import moe  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate, routing-weights dtype)

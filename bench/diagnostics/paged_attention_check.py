@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import common  # noqa: E402
 
 from fusion_compiler.kernels import paged_decode_attention as kernel  # noqa: E402
-from fusion_compiler.model_adapters import paged_kv  # noqa: E402
+from fusion_compiler.model_adapters.reference import paged_kv  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 MODELS = {"minimax": (48, 8, 128), "qwen35_full": (32, 2, 256)}  # heads, kv heads, head dim

@@ -46,7 +46,7 @@ phase=${1:-shared}
 if [ "$phase" = shared ]; then
   FUSION_TP_ONE_GPU=1 run_tests tp_one_gpu 300 tests/patterns/test_gqa_prologue_tp.py > "$R/tp.summary" 2>&1 &
   run_tests shared_ops_gpu_tests 150 -m gpu tests/kernels/test_paged_decode_attention.py \
-    tests/model_adapters/test_experts_kernel.py
+    tests/kernels/test_routed_experts.py
   bench paged_attention 120 bench/diagnostics/paged_attention_check.py --out "$R/paged_attention_h200.json"
   bench experts 200 bench/diagnostics/experts_check.py --budget-s 170 --out "$R/experts_check_h200.json"
   wait
@@ -71,7 +71,7 @@ elif [ "$phase" = final ]; then
     --batches 1 64 --modes eager inductor_graph fusion_compiler --out "$R/decode_h200_reference_deepseek.json"
 elif [ "$phase" = retest ]; then
   run_tests retest_gqa_paged_experts 240 -m "not vllm" tests/kernels/test_gqa_prologue.py tests/ops/test_gqa_prologue.py \
-    tests/kernels/test_paged_decode_attention.py tests/model_adapters/test_experts_kernel.py &
+    tests/kernels/test_paged_decode_attention.py tests/kernels/test_routed_experts.py &
   run_tests retest_moe_route 240 -m "not vllm" tests/kernels/test_moe_route.py &
   run_tests retest_attention_dsa 240 -m "not vllm" tests/kernels/test_decode_attention.py tests/ops/test_decode_attention.py \
     tests/kernels/test_dsa_topk_mask.py &

@@ -1,4 +1,8 @@
-"""Triton kernels, one file per family. Nothing here imports graph code."""
+"""Triton kernels, one file per family. Nothing here imports graph code.
+
+Two are reference-only (the first line of each says so): ``paged_decode_attention`` and
+``routed_experts``, which only the serving-engine reference layers (model_adapters/reference/)
+launch; no stage runs them, so they are not in ``_KERNEL_MODULES``."""
 
 import importlib
 

@@ -1,6 +1,10 @@
-"""GQA decode attention straight from a paged KV cache: the split-KV flash-decoding kernel of
-``decode_attention.py`` with its K/V rows gathered through each token's slot list, no dense copy.
-Semantics: ``fusion_compiler.model_adapters.paged_kv`` (``paged_decode_attention_reference``).
+"""Reference-only kernel: only the reference layers (model_adapters/reference/paged_kv.py) use it.
+
+GQA decode attention straight from a paged KV cache: the split-KV flash-decoding kernel of
+``decode_attention.py`` with its K/V rows gathered through each token's slot list, no dense copy
+(``fusion_compiler_ref::paged_decode_attention`` on CUDA; not a compiler op, no family's kernel:
+not in ``_KERNEL_MODULES``). Semantics: ``fusion_compiler.model_adapters.reference.paged_kv``
+(``paged_decode_attention_reference``).
 
     q [T, H, D]; k_cache [blocks, block_size, Hkv, D], v_cache [..., Hkv, Dv] (bf16 / fp16 /
     fp32 like q, or FP8 e4m3 with per-tensor scales); context_slots [T, C] flat slot ids

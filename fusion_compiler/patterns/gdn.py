@@ -18,7 +18,7 @@ Three spellings, each as its code writes it:
   out of interleaved qkvz / ba projections (outside the site: ``mixed_qkv`` is their
   concatenation, z already [B, 1, heads, Dv]) and its output is restored to z's shape before
   the flatten, one reshape more than Qwen3.5;
-* ``slots``: a serving engine (model_adapters/qwen35/gdn_reference.py, vLLM's kernels' math in
+* ``slots``: a serving engine (model_adapters/reference/qwen35_gdn.py, vLLM's kernels' math in
   torch): [T, ...] rows, one token per sequence, both states gathered and written back at a
   state-slot tensor (``index_put``), conv and norm in fp32 with one rounding each.
 
@@ -169,7 +169,7 @@ def _hf_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, con
 
 def slots_decode(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, conv_state, recurrent_state,
                  state_slots, eps):  # fmt: skip
-    """The decode core of model_adapters/qwen35/gdn_reference.py, its state writes functional."""
+    """The decode core of model_adapters/reference/qwen35_gdn.py, its state writes functional."""
     key_heads, key_dim, value_heads, value_dim = _dims(mixed_qkv, recurrent_state)
     head_k_dim, head_v_dim = recurrent_state.shape[2], recurrent_state.shape[3]
     # causal conv update over the slots

@@ -17,14 +17,14 @@ Two layouts, each as its code writes it:
   by ``index_copy_`` along the sequence dim (an ``index_put`` with ``[None, None, position]``
   post-grad). cos / sin are [B, S, D] (per-row position_ids) or [1, S, D] (HF's default,
   broadcast over the batch); the op reads either;
-* ``paged``: a serving engine (model_adapters/*/reference.py, vLLM's forward_native): [T, H, D],
-  NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache`` gathered at the
-  positions, K and V written into a paged cache at flat slots, bf16 or FP8 with a per-tensor
-  scale.
+* ``paged``: a serving engine (model_adapters/reference/<model>.py, vLLM's forward_native):
+  [T, H, D], NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache``
+  gathered at the positions, K and V written into a paged cache at flat slots, bf16 or FP8 with
+  a per-tensor scale.
 
 Tensor parallelism (``minimax.paged_tp_*``): each rank holds a share of the heads, and the
 full-width norm's mean of squares is global: the local means are all-reduced (vLLM's
-``MiniMaxText01RMSNormTP``; model_adapters/minimax_m2/reference.py's ``rms_norm_tp``). The
+``MiniMaxText01RMSNormTP``; model_adapters/reference/minimax_m2.py's ``rms_norm_tp``). The
 all-reduce stays in the graph; these variants match the side after it, taking the global
 variance as an input, and the guard follows that input back: ``wait_tensor(all_reduce(local,
 "sum", group)) / world`` (a column of it when q and k share one [T, 2] all-reduce), the local
@@ -109,7 +109,7 @@ def rope_full_hf(x, cos, sin):
 
 def rope_partial_fp32(x, cos, sin):
     """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
-    fp32, one rounding (model_adapters/paged_kv.py's ``rope_neox_partial``)."""
+    fp32, one rounding (model_adapters/reference/paged_kv.py's ``rope_neox_partial``)."""
     half = cos.shape[-1]
     first, second = x[..., :half].float(), x[..., half : 2 * half].float()
     c, s = cos[:, None, :], sin[:, None, :]

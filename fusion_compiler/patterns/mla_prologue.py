@@ -13,7 +13,7 @@ candidate, so an unfused one is reported):
   -> ``mla_q_prologue`` index_q role.
 
 Each comes as HF transformers writes it (``*.hf``: no FP8, no latent cache) and as a serving
-engine writes it from DeepSeek's inference code (model_adapters/deepseek_v32/reference.py).
+engine writes it from DeepSeek's inference code (model_adapters/reference/deepseek_v32.py).
 The horizontal merge (patterns/mla_prologue_horizontal.py) then folds each layer's sites into one launch
 before the q_b GEMM and one after it.
 

@@ -27,9 +27,9 @@ def write_rows(cache, slots, rows):
 
 
 def as_bytes(t):
-    """``t.view(torch.uint8)`` as the DeepSeek reference spells it (model_adapters/deepseek_v32/
-    reference.py ``as_bytes``, which says why): a view for one-byte dtypes, shifts of a
-    same-width integer view for wider ones."""
+    """``t.view(torch.uint8)`` as the DeepSeek reference spells it (model_adapters/
+    reference/deepseek_v32.py ``as_bytes``, which says why): a view for one-byte dtypes, shifts of
+    a same-width integer view for wider ones."""
     if t.element_size() == 1:
         return t.view(torch.uint8)
     bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from fusion_compiler.model_adapters import paged_kv
-from fusion_compiler.model_adapters.deepseek_v32 import reference as ds
+from fusion_compiler.model_adapters.reference import paged_kv
+from fusion_compiler.model_adapters.reference import deepseek_v32 as ds
 from fusion_compiler.patterns import spellings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
@@ -25,7 +25,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _layer(model: str):
-    return importlib.import_module(f"fusion_compiler.model_adapters.{decode.MODELS[model]}.decode_layer")
+    return importlib.import_module(f"fusion_compiler.model_adapters.reference.{decode.MODELS[model]}_decode_layer")
 
 
 @pytest.mark.parametrize("model", list(decode.MODELS))

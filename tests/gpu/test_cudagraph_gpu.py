@@ -29,8 +29,8 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import paged_kv
-from fusion_compiler.model_adapters.minimax_m2 import decode_layer
+from fusion_compiler.model_adapters.reference import paged_kv
+from fusion_compiler.model_adapters.reference import minimax_m2_decode_layer as decode_layer
 from fusion_compiler.verify import relative_error
 from gpu.gpu_reference import assert_rows_close
 

@@ -26,7 +26,7 @@ from kernel_fixtures import DEVICE, HAS_CUDA, assert_guards_untouched, poisoned,
 skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import paged_decode_attention as K  # noqa: E402
-from fusion_compiler.model_adapters import paged_kv  # noqa: E402
+from fusion_compiler.model_adapters.reference import paged_kv  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 FP8 = paged_kv.FP8

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_compiler.model_adapters.minimax_m2 import reference as ref
+from fusion_compiler.model_adapters.reference import minimax_m2 as ref
 from fusion_compiler.ops import gqa_prologue as op
 from fusion_compiler.verify import relative_error
 

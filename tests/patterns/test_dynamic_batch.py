@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import get_adapter, make_decode_step, paged_kv
-from fusion_compiler.model_adapters.minimax_m2 import decode_layer
+from fusion_compiler.model_adapters import get_adapter, make_decode_step
+from fusion_compiler.model_adapters.reference import paged_kv
+from fusion_compiler.model_adapters.reference import minimax_m2_decode_layer as decode_layer
 from fusion_compiler.verify import relative_error
 
 CONTEXT = 20

@@ -6,7 +6,7 @@
   both states of every GDN layer equal eager's within bf16 tolerance at every step.
 - HF transformers' Qwen3-Next from a config file alone (no adapter of ours): interleaved qkvz /
   ba projections and an extra reshape of the output, the same core; strict, every site fuses.
-- Our serving-engine reference (model_adapters/qwen35/gdn_reference.py: state slots, fp32
+- Our serving-engine reference (model_adapters/reference/qwen35_gdn.py: state slots, fp32
   conv and norm), a 2-layer stack, both lowerings: one site per layer, outputs and the written
   slots equal eager's over 8 steps, every other slot unchanged.
 - Near misses: no L2-norm on q or k, beta not a sigmoid, the gate applied before the norm.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import fusion_compiler as fc
 from fusion_compiler.model_adapters import get_adapter, make_decode_step
-from fusion_compiler.model_adapters.qwen35 import gdn_reference as ref
+from fusion_compiler.model_adapters.reference import qwen35_gdn as ref
 from fusion_compiler.patterns import gdn
 from fusion_compiler.verify import relative_error
 from model_configs import QWEN3_NEXT

@@ -4,7 +4,7 @@
   decode step on HF's static cache: one site per attention layer (strict against the adapters'
   expectations), the q/k norms inside it, logits equal eager's within bf16 tolerance, the cache
   rows at the new position close to eager's and every other cache byte unchanged.
-- Our serving-engine references (model_adapters/*/reference.py: fused qkv, paged caches, bf16
+- Our serving-engine references (model_adapters/reference/<model>.py: fused qkv, paged caches, bf16
   and FP8): a 2-layer stack fuses one site per layer, each reading the RoPE table at the
   positions itself (patterns/gqa_prologue_rope_gather.py); q, the gate and the written cache bytes equal
   eager's (FP8 codes too: the op rounds where the references round), untouched slots unchanged.
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters.minimax_m2 import reference as minimax
-from fusion_compiler.model_adapters.qwen35 import reference as qwen
+from fusion_compiler.model_adapters.reference import minimax_m2 as minimax
+from fusion_compiler.model_adapters.reference import qwen35 as qwen
 from fusion_compiler.patterns import add_rms_norm, gqa_prologue, mla_prologue
 from fusion_compiler.verify import relative_error
 from gqa_fixtures import assert_hf_caches, assert_missed, compile_beside_eager, prologue_inputs

@@ -1,5 +1,5 @@
 """The GQA prologue family under tensor parallelism: MiniMax's full-width QK-norm with its mean
-of squares all-reduced (model_adapters/minimax_m2/reference.py ``rms_norm_tp``, vLLM's
+of squares all-reduced (model_adapters/reference/minimax_m2.py ``rms_norm_tp``, vLLM's
 ``MiniMaxText01RMSNormTP.forward_qk``), on CPU with gloo, or with NCCL on two GPUs where the
 machine has them (each rank on its own GPU, the op's Triton kernel instead of its reference).
 With ``FUSION_TP_ONE_GPU=1`` on a machine of one GPU, both ranks run on it and all-reduce through
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters.minimax_m2 import reference as minimax
+from fusion_compiler.model_adapters.reference import minimax_m2 as minimax
 from fusion_compiler.verify import relative_error
 from gqa_fixtures import assert_missed, compile_beside_eager, prologue_inputs
 

@@ -1,6 +1,6 @@
 """The DeepSeek V3.2 attention-prologue family on real model code.
 
-- Our serving-engine reference (model_adapters/deepseek_v32/reference.py, FP8 latent and
+- Our serving-engine reference (model_adapters/reference/deepseek_v32.py, FP8 latent and
   indexer caches): every layer fuses its four sites plus the q_a norm+quant, each layer's
   sites fold into two launches, outputs match eager, and layer 0's cache bytes equal eager's
   (later layers read inputs that differ in the last bf16 bit, so only layer 0 is exact).
@@ -17,7 +17,7 @@ import torch
 
 import fusion_compiler as fc
 from fusion_compiler.model_adapters import make_decode_step
-from fusion_compiler.model_adapters.deepseek_v32 import reference as ref
+from fusion_compiler.model_adapters.reference import deepseek_v32 as ref
 from fusion_compiler.fx.module_paths import layer_of
 from fusion_compiler.verify import relative_error
 from hf_fixtures import default_decode_run

@@ -34,8 +34,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import paged_kv
-from ..paged_kv import paged_decode_attention, rope_neox_partial, write_cache
+from . import paged_kv
+from .paged_kv import paged_decode_attention, rope_neox_partial, write_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ plain ``index_put_`` wraps -1 to the last slot; the fused op skips vLLM's paddin
 Rounding differences from HF (bf16): HF rounds the conv output to bf16 before the SiLU, beta to
 bf16, and the gated norm twice more; here each of those stays fp32 to one final rounding. The
 states agree to fp32 reordering plus what the bf16 roundings feed into them
-(tests/model_adapters/test_qwen35_gdn_reference.py measures both).
+(tests/model_adapters/reference/test_qwen35_gdn.py measures both).
 
 Projections: HF 5.17 has four GEMMs, ``in_proj_qkv`` ([q | k | v], 2 * key_dim + value_dim),
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; this module keeps them. vLLM merges them into

@@ -1,4 +1,4 @@
-"""The Qwen3.5 serving-engine reference attention (model_adapters/qwen35/reference.py) against
+"""The Qwen3.5 serving-engine reference attention (model_adapters/reference/qwen35.py) against
 HF's Qwen3_5MoeAttention (the full-attention layer 3 of the tiny model), and its paged KV-cache
 writes.
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_compiler.model_adapters import get_adapter, paged_kv
-from fusion_compiler.model_adapters.qwen35 import reference as ref
+from fusion_compiler.model_adapters import get_adapter
+from fusion_compiler.model_adapters.reference import paged_kv
+from fusion_compiler.model_adapters.reference import qwen35 as ref
 from fusion_compiler.verify import relative_error
 from gqa_fixtures import assert_prologue_writes_only_its_slots, paged_decode
 

@@ -6,8 +6,8 @@ Each layer runs as vLLM's Qwen3.5 decoder layer does at tensor-parallel size 1:
 * residual add + input RMSNorm, Gemma style (``x * (1 + w)`` in fp32, one rounding: HF's
   ``Qwen3_5MoeRMSNorm``);
 * the token mixer, by layer kind: "linear_attention" is the Gated DeltaNet of
-  ``gdn_reference.py`` (conv and recurrent states in per-sequence slots); "full_attention" is
-  the gated attention of ``reference.py`` (fused qkv, per-head Gemma q/k norms, partial NeoX
+  ``qwen35_gdn.py`` (conv and recurrent states in per-sequence slots); "full_attention" is
+  the gated attention of ``qwen35.py`` (fused qkv, per-head Gemma q/k norms, partial NeoX
   RoPE, paged K/V cache, sigmoid output gate);
 * residual add + post-attention RMSNorm (Gemma style);
 * the MoE of ``moe.py``: HF's softmax router (top-10 of 512, renormalised), the routed experts
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .. import moe, paged_kv
-from ..paged_kv import ReferenceStep
-from . import gdn_reference as gdn
-from . import reference as ref
+from . import moe, paged_kv
+from . import qwen35 as ref
+from . import qwen35_gdn as gdn
+from .paged_kv import ReferenceStep
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 

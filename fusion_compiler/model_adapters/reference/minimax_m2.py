@@ -43,8 +43,8 @@ try:  # tensor parallelism only; a torch without torch.distributed still runs on
 except ImportError:
     funcol = None
 
-from .. import paged_kv
-from ..paged_kv import FP8, context_of, paged_decode_attention, read_cache, rope_neox_partial, write_cache
+from . import paged_kv
+from .paged_kv import FP8, context_of, paged_decode_attention, read_cache, rope_neox_partial, write_cache
 
 # The paged-cache pieces live in paged_kv (shared with Qwen3.5's reference); re-exported here.
 __all__ = [

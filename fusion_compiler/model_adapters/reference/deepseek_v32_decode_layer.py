@@ -1,6 +1,6 @@
 """DeepSeek V3.2 reference decode layers: whole decoder layers at real widths, in plain torch.
 
-Each layer is ``reference.DecoderLayer`` (residual add + input RMSNorm, FP8 ``act_quant``, MLA
+Each layer is ``deepseek_v32.DecoderLayer`` (residual add + input RMSNorm, FP8 ``act_quant``, MLA
 with the DSA indexer over the paged latent and indexer caches) followed by the MoE half:
 
 * residual add + post-attention RMSNorm (DeepSeek's: fp32 weight, one rounding);
@@ -11,8 +11,8 @@ with the DSA indexer over the paged latent and indexer caches) followed by the M
   the attention's FP8 path, which is kept.)
 
 Every layer is an MoE layer: the checkpoint's first three dense layers are left out, as in the
-HF adapter (``first_k_dense_replace`` 0). ``build`` makes a ``reference.ReferenceModel`` of such
-layers with random weights; ``make_step`` is ``reference.make_step`` for it.
+HF adapter (``first_k_dense_replace`` 0). ``build`` makes a ``deepseek_v32.ReferenceModel`` of such
+layers with random weights; ``make_step`` is ``deepseek_v32.make_step`` for it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import moe
-from ..paged_kv import ReferenceStep
-from . import reference as ref
+from . import deepseek_v32 as ref
+from . import moe
+from .paged_kv import ReferenceStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def build(cfg: Config, num_layers: int, *, experts: str = "compute", device="cpu
 
 
 def make_step(model: ref.ReferenceModel, tokens: int = 2, context: int = 6, seed: int = 1) -> ReferenceStep:
-    """``reference.make_step`` for the model's layers, on its device."""
+    """``deepseek_v32.make_step`` for the model's layers, on its device."""
     return ref.make_step(model.cfg, tokens, context, device=model.cos_sin_cache.device, seed=seed)
 
 

@@ -1,4 +1,5 @@
-"""The reference decode layers (model_adapters/*/decode_layer.py and moe.py), tiny, on CPU.
+"""The reference decode layers (model_adapters/reference/: <model>_decode_layer.py, moe.py), tiny,
+on CPU.
 
 - Every model's 1- and 2-layer stacks (Qwen3.5: each layer kind alone, twice, and one of each)
   run eagerly, with the routed experts computed and stubbed: finite outputs, every cache and
@@ -18,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
-from fusion_compiler.model_adapters import moe, paged_kv
-from fusion_compiler.model_adapters.deepseek_v32 import decode_layer as deepseek
-from fusion_compiler.model_adapters.minimax_m2 import decode_layer as minimax
-from fusion_compiler.model_adapters.qwen35 import decode_layer as qwen
+from fusion_compiler.model_adapters.reference import moe, paged_kv
+from fusion_compiler.model_adapters.reference import deepseek_v32_decode_layer as deepseek
+from fusion_compiler.model_adapters.reference import minimax_m2_decode_layer as minimax
+from fusion_compiler.model_adapters.reference import qwen35_decode_layer as qwen
 from fusion_compiler.verify import relative_error
 
 LINEAR, FULL = qwen.LAYER_KINDS

@@ -169,7 +169,7 @@ def _kernel_or_none(q, k_cache, v_cache, k_scale, v_scale, context_slots, contex
     if not all(t.is_cuda for t in tensors):
         return None
     try:
-        from ..kernels import paged_decode_attention as kernel
+        from ...kernels import paged_decode_attention as kernel
     except ImportError:
         return None
     if kernel.unsupported(q, k_cache, v_cache, context_slots, context_valid) is not None:

@@ -1,4 +1,4 @@
-"""The MiniMax-M2.5 serving-engine reference attention (model_adapters/minimax_m2/reference.py)
+"""The MiniMax-M2.5 serving-engine reference attention (model_adapters/reference/minimax_m2.py)
 against HF's MiniMaxM2Attention, and its paged KV-cache writes.
 
 HF runs a causal prefill of a whole sequence; the reference decodes the same tokens one at a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusion_compiler.model_adapters import get_adapter
-from fusion_compiler.model_adapters.minimax_m2 import reference as ref
+from fusion_compiler.model_adapters.reference import minimax_m2 as ref
 from fusion_compiler.verify import relative_error
 from gqa_fixtures import assert_prologue_writes_only_its_slots, paged_decode
 

@@ -1,6 +1,8 @@
-"""The routed experts at small batches: two Triton GEMV-style kernels that read each chosen
+"""Reference-only kernel: only the reference layers (model_adapters/reference/moe.py) use it.
+
+The routed experts at small batches: two Triton GEMV-style kernels that read each chosen
 (token, k) pair's expert weights once, with no sort (``fusion_compiler_ref::routed_experts``'s
-small-batch path on CUDA; reference-side code, not a compiler op).
+small-batch path on CUDA; not a compiler op, no family's kernel: not in ``_KERNEL_MODULES``).
 
 For pair p = (t, k), e = ids[t, k], x = hidden[t] (gate_up_proj [E, 2I, H]: gate rows, then up
 rows, HF's layout; down_proj [E, H, I]):
@@ -36,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_compiler.kernels._device import downcast as _downcast
-from fusion_compiler.kernels._device import launch_on_device, rows_dot_step
-from fusion_compiler.kernels._device import upcast as _upcast
+from ._device import downcast as _downcast
+from ._device import launch_on_device, rows_dot_step
+from ._device import upcast as _upcast
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

@@ -1,4 +1,4 @@
-"""The routed experts' small-batch Triton kernels (model_adapters/experts_kernel.py).
+"""The routed experts' small-batch Triton kernels (kernels/routed_experts.py).
 
 CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py), tiny shapes, bf16, fresh random inputs
 (weights N(0, 1/fan_in), routing weights renormalised like the routers'): ``small_batch_experts``
@@ -25,8 +25,8 @@ from kernel_fixtures import DEVICE, HAS_CUDA, skip_unless_kernels_can_run
 
 skip_unless_kernels_can_run()
 
-from fusion_compiler.model_adapters import experts_kernel as K  # noqa: E402
-from fusion_compiler.model_adapters import moe  # noqa: E402
+from fusion_compiler.kernels import routed_experts as K  # noqa: E402
+from fusion_compiler.model_adapters.reference import moe  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 TOLERANCE = 1e-2

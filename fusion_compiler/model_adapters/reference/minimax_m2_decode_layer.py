@@ -3,7 +3,7 @@
 Each layer runs as vLLM's MiniMax-M2 decoder layer does at tensor-parallel size 1:
 
 * residual add + input RMSNorm (HF's ``MiniMaxM2RMSNorm``: fp32, rounded, then times the weight);
-* the serving-engine attention of ``reference.py``: fused qkv GEMM, q/k RMSNorm over the whole
+* the serving-engine attention of ``minimax_m2.py``: fused qkv GEMM, q/k RMSNorm over the whole
   projections, partial NeoX RoPE, paged K/V cache, decode attention (an opaque op, identical in
   every compile mode), o_proj;
 * residual add + post-attention RMSNorm;
@@ -21,9 +21,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import moe, paged_kv
-from ..paged_kv import ReferenceStep
-from . import reference as ref
+from . import minimax_m2 as ref
+from . import moe, paged_kv
+from .paged_kv import ReferenceStep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The Qwen3.5 serving-engine GDN reference (model_adapters/qwen35/gdn_reference.py) against HF's
+"""The Qwen3.5 serving-engine GDN reference (model_adapters/reference/qwen35_gdn.py) against HF's
 Qwen3_5MoeGatedDeltaNet decode (layer 0 of the tiny model, torch fallbacks: fla is absent).
 
 HF prefills a batch of 2 sequences into its static cache; then both run 8 consecutive decode
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fusion_compiler.model_adapters import get_adapter, make_decode_step
-from fusion_compiler.model_adapters.qwen35 import gdn_reference as ref
+from fusion_compiler.model_adapters.reference import qwen35_gdn as ref
 from fusion_compiler.verify import relative_error
 
 STEPS, SLOTS, NUM_SLOTS = 8, torch.tensor([3, 1]), 5

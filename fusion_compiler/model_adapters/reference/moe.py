@@ -1,5 +1,5 @@
 """The MoE half of the reference decode layers (DeepSeek V3.2, MiniMax-M2.5, Qwen3.5), in plain
-torch, and what the three ``decode_layer`` modules share to build and seed them.
+torch, and what the three ``<model>_decode_layer`` modules share to build and seed them.
 
 A decode layer is benchmarked eagerly, under stock ``torch.compile`` and under our fusion
 backend; the comparison must show what fusion changes and nothing else. So:
@@ -39,7 +39,8 @@ from torch import nn
 # compute: every chosen expert's weights gathered per token ([T, k, 2I, H] copied, then read);
 # grouped: tokens sorted by expert and one grouped GEMM per projection, each chosen expert read
 # once (``torch._grouped_mm``; on CUDA at <= SMALL_BATCH_MAX_PAIRS (token, k) pairs, Triton GEMV
-# kernels instead, experts_kernel.py); zeros: the experts stubbed out. Identical in every mode.
+# kernels instead, kernels/routed_experts.py); zeros: the experts stubbed out. Identical in
+# every mode.
 EXPERTS_MODES = ("compute", "grouped", "zeros")
 
 # Random-init scales: norm weights (and Gemma offsets, biases) move 0.1 away from their init, so
@@ -175,7 +176,7 @@ def routed_experts(
     down_proj [E, H, I]. GEMMs in the activation dtype; the weighted sum over k in fp32.
     ``grouped``: each chosen expert's weights read once (``_grouped_experts``), not gathered per
     token; on CUDA at <= ``SMALL_BATCH_MAX_PAIRS`` (token, k) pairs, by the small-batch Triton
-    kernels instead (``experts_kernel.small_batch_experts``: each pair's expert read once, no sort)."""
+    kernels instead (``kernels/routed_experts.py``: each pair's expert read once, no sort)."""
     _check_routing(hidden, top_k_ids, top_k_weights)
     if grouped:
         small_batch = _small_batch_kernel(hidden, top_k_ids, gate_up_proj, down_proj)
@@ -187,32 +188,33 @@ def routed_experts(
     return torch.einsum("tkh,tk->th", out.float(), top_k_weights.float()).to(hidden.dtype)
 
 
-# The grouped path's small-batch alternative (experts_kernel.py: GEMV-style Triton kernels, each
-# (token, k) pair's expert read once, no sort) up to this many (token, k) pairs. At 1 token the
-# grouped path's sort / index / scan kernels and cutlass grouped GEMMs cost ~2x the weight-read
-# floor (H200, MiniMax: ~110 us for 226 MB, floor ~54 us). The small-batch kernels read one
-# expert per pair, so a repeated expert is read again (from L2 if lucky): at 128 pairs of 256
-# experts ~20% are repeats, and by 64 tokens most experts are hit and the grouped GEMM reads
-# each once at its floor. H200 (bench/diagnostics/experts_check.py, µs small-batch vs grouped):
-# MiniMax 59.8 vs 156.9 at 1 token, 782 vs 1093 at 16 (128 pairs); Qwen3.5 66.0 vs 170.3 at 1,
-# 871 vs 1330 at 16 (160 pairs); DeepSeek 181 vs 351 at 1, 2408 vs 3128 at 16. So up to 16 tokens
-# of every model; past that not measured (the grouped path stays).
+# The grouped path's small-batch alternative (kernels/routed_experts.py: GEMV-style Triton
+# kernels, each (token, k) pair's expert read once, no sort) up to this many (token, k) pairs.
+# At 1 token the grouped path's sort / index / scan kernels and cutlass grouped GEMMs cost ~2x
+# the weight-read floor (H200, MiniMax: ~110 us for 226 MB, floor ~54 us). The small-batch
+# kernels read one expert per pair, so a repeated expert is read again (from L2 if lucky): at
+# 128 pairs of 256 experts ~20% are repeats, and by 64 tokens most experts are hit and the
+# grouped GEMM reads each once at its floor. H200 (bench/diagnostics/experts_check.py, µs
+# small-batch vs grouped): MiniMax 59.8 vs 156.9 at 1 token, 782 vs 1093 at 16 (128 pairs);
+# Qwen3.5 66.0 vs 170.3 at 1, 871 vs 1330 at 16 (160 pairs); DeepSeek 181 vs 351 at 1, 2408 vs
+# 3128 at 16. So up to 16 tokens of every model; past that not measured (the grouped path
+# stays).
 SMALL_BATCH_MAX_PAIRS = 160
 
 
 def _small_batch_kernel(hidden, top_k_ids, gate_up_proj, down_proj) -> Callable | None:
-    """``experts_kernel.small_batch_experts`` when it applies (CUDA tensors, triton importable,
-    tokens * top_k <= SMALL_BATCH_MAX_PAIRS, layouts it takes), else None. On CPU always None:
-    the CPU tier keeps the torch paths."""
+    """``small_batch_experts`` of ``kernels/routed_experts.py`` when it applies (CUDA tensors,
+    triton importable, tokens * top_k <= SMALL_BATCH_MAX_PAIRS, layouts it takes), else None. On
+    CPU always None: the CPU tier keeps the torch paths."""
     if hidden.device.type != "cuda" or top_k_ids.numel() > SMALL_BATCH_MAX_PAIRS:
         return None
     try:
-        from . import experts_kernel
+        from ...kernels import routed_experts as kernel
     except ImportError:  # no triton
         return None
-    if not experts_kernel.supports(hidden, top_k_ids, gate_up_proj, down_proj):
+    if not kernel.supports(hidden, top_k_ids, gate_up_proj, down_proj):
         return None
-    return experts_kernel.small_batch_experts
+    return kernel.small_batch_experts
 
 
 def _grouped_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..paged_kv import ReferenceStep, padded_context_of, random_block_table
+from .paged_kv import ReferenceStep, padded_context_of, random_block_table
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -301,7 +301,8 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The attention half of a DeepSeek V3.2 decoder layer (decode_layer.py adds the MoE half)."""
+    """The attention half of a DeepSeek V3.2 decoder layer (deepseek_v32_decode_layer.py adds the
+    MoE half)."""
 
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
