@@ -40,11 +40,11 @@
 #                            allow ~3 min a model)
 #   dsa ARGS...              the DSA top-k mask kernel's GPU tests, then bench/decode.py ARGS
 #                            (--models deepseek-v3.2 ...)
-#   gated                    the gated norm's kernel tests, then its bench (bench/kernels.py
+#   gated                    the gated norm's kernel tests, then its bench (bench/rms_norm.py
 #                            --gated, ~2 min)
 # The kernels alone (results in $OUT, or $OUT/<family>_results.tgz):
 #   kernels                  the GPU tests of tests/kernels and tests/gpu, the add + RMSNorm bench
-#                            (bench/kernels.py), then the CPU-tier pattern and pass tests on the
+#                            (bench/rms_norm.py), then the CPU-tier pattern and pass tests on the
 #                            device's torch
 #   moe                      issue 4: the routing kernels' tests on CUDA, the router at real widths
 #                            (bench/moe_router_check.py), the routing bench, and inspect on HF
@@ -83,7 +83,7 @@ generate_bench() {  # SECONDS MODEL TAIL [ARGS...]
   echo "generate $model: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/generate_$model.log" | cut -c1-400 | tail -n "$lines"
 }
 gated_bench() {  # SECONDS
-  timeout "$1" python3 bench/kernels.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
+  timeout "$1" python3 bench/rms_norm.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
   echo "gated bench: rc=$?"; grep -v -i warn "$R/gated_bench.log" | tail -n 8
 }
 # A tier group: its own pytest run and log; a failed group sets status.
@@ -190,7 +190,7 @@ decode|decode-checks|inspect|dsa|gated)
 kernels)
   source bench/device_setup.sh "$OUT"
   python3 -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/gpu_tier.log"
-  python3 bench/kernels.py --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/bench.log"
+  python3 bench/rms_norm.py --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/bench.log"
   timeout 240 python3 -m pytest -q -x -p no:faulthandler -p no:cacheprovider tests/patterns tests/passes 2>&1 | tail -n 30 | tee "$OUT/cpu_tier_on_gpu_torch.log"
   ;;
 moe|moe-ab|moe-tail|moe-variants)

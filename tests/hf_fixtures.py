@@ -1,6 +1,6 @@
 """HF's tiny decode step of one of our models, compiled once per session with every family on.
 
-tests/passes/test_merge_projections.py and tests/patterns/test_gqa_prologue.py,
+tests/patterns/test_merge_projections.py and tests/patterns/test_gqa_prologue.py,
 test_mla_prologue.py and test_moe_routing.py each compiled exactly this (the adapter's tiny model
 at its default depth, bf16, strict against the adapter's expected sites, ``make_decode_step``'s
 default step) and read a different part of the result: 5-11 s of CPU Inductor per model per file.

@@ -205,7 +205,7 @@ def test_hf_config_with_layer_types_builds_every_stack(tmp_path):
     assert not {m for m in expected["add_rms_norm"] if m.endswith(("linear_attn.norm", "q_norm", "k_norm"))}
 
 
-@pytest.mark.nightly  # 46 s on 2 CPU cores; the explain chain itself: tests/passes/test_dsa_topk_mask_pass.py
+@pytest.mark.nightly  # 46 s on 2 CPU cores; the explain chain itself: tests/patterns/test_dsa_topk_mask.py
 def test_explain_names_the_diverging_node_of_a_broken_variant(tmp_path, capsys):
     """A DeepSeek V3.2 config that keeps 1 group of 4 (topk_group 1): Inductor then rewrites the
     group mask into another graph (model_adapters/deepseek_v32), so routing does not match; every

@@ -6,8 +6,8 @@ CUDA-graph replays in one run: eager, stock Inductor (torch.compile of that code
 ours (the same code through the fusion_compiler backend, so the pattern match and the
 custom op are what is timed, not a bare kernel call).
 
-    python bench/kernels.py --out bench/results/kernels_h200.json
-    python bench/kernels.py --gated --out bench/results/gated_norm_h200.json
+    python bench/rms_norm.py --out bench/results/kernels_h200.json
+    python bench/rms_norm.py --gated --out bench/results/gated_norm_h200.json
 """
 
 from __future__ import annotations
