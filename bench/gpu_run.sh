@@ -24,7 +24,8 @@
 #                            at once) into $OUT/mutations_cuda_h200_<commit>.md; ARGS e.g. --only
 # The user's path, HF generate() (issue 24; results in $OUT):
 #   generate-checks [END_SECONDS MODEL]
-#                            the GPU tier in one run, then the kernels changed for issue 24 on CUDA;
+#                            the GPU tier (as the tier phase; carry wheels/ too), then the kernels
+#                            changed for issue 24 on CUDA;
 #                            beside them, on the CPU cores, the CPU-tier tests that read torch's
 #                            internals (decline, dtypes, routes) under the device's torch; then, if
 #                            given, bench/generate.py for MODEL until END_SECONDS after the start
@@ -97,6 +98,36 @@ run_group() {  # NAME SECONDS PATHS...
   grep -E "^SKIPPED|SKIPPED \[" "$R/gpu_$name.log" | cut -c1-300 | head -n 10
   [ $rc -eq 0 ] || status=1
 }
+# The GPU tier (the tier phase's header says how) into $R: GROUP... of kernels, step_graphs,
+# generate (default all); returns 1 if a group failed.
+gpu_tier() {  # [GROUP...]
+  local groups=${*:-kernels step_graphs generate} FLA=$R/setup/fla_site status=0 pids=() g paths limit pid
+  # fla-core on PYTHONPATH for the kernels group only (the header says why)
+  mkdir -p "$R/setup"
+  python3 -m pip install -q --no-index --no-deps --target "$FLA" wheels/fla_core-*.whl wheels/einops-*.whl \
+    > "$R/setup/wheels.log" 2>&1 || { cat "$R/setup/wheels.log"; return 1; }
+  PYTHONPATH=$FLA python3 -c "import fla, einops; print('fla-core', fla.__version__, 'einops', einops.__version__)" \
+    2>&1 | grep -v -i warn | tee -a "$R/setup/versions.log"
+  python3 -c "import fla" 2> /dev/null && { echo "fla is installed site-wide: HF's Qwen3.5 would run its kernels"; return 1; }
+  local kernel_files xdist
+  kernel_files=$(ls tests/gpu/test_*_gpu.py | grep -v -E "test_(backend|cudagraph|generate)_gpu.py")
+  xdist=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${HF_WORKERS:-4}")
+  case " $groups " in *" kernels "*)
+    PYTHONPATH=$FLA run_group kernels "${KERNELS_SECONDS:-220}" tests/kernels tests/ops tests/model_adapters $kernel_files;;
+  esac
+  # The HF-model groups side by side, each over $HF_WORKERS pytest workers where xdist is installed.
+  for g in step_graphs generate; do
+    case " $groups " in *" $g "*) ;; *) continue;; esac
+    [ $g = step_graphs ] && paths="tests/gpu/test_backend_gpu.py tests/gpu/test_cudagraph_gpu.py" limit=${STEP_GRAPHS_SECONDS:-300}
+    [ $g = generate ] && paths="tests/gpu/test_generate_gpu.py" limit=${GENERATE_SECONDS:-300}
+    ( status=0; run_group $g "$limit" $xdist $paths > "$R/gpu_$g.summary"; exit $status ) &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  cat "$R"/gpu_*.summary 2> /dev/null
+  echo "skipped: $(cat "$R"/gpu_*.log | grep -c -E "SKIPPED")"
+  return $status
+}
 # Pack $OUT/NAME into $OUT/NAME.tgz (fewer files for the device to return).
 pack() { tar -czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"; }
 
@@ -105,32 +136,8 @@ tier)
   R=$OUT
   source bench/device_setup.sh "$R/setup"
   echo "commit ${FUSION_COMMIT:-unknown} dirty ${FUSION_DIRTY:-unknown}" | tee -a "$R/setup/versions.log"
-  groups=${*:-kernels step_graphs generate}
-  FLA=$R/setup/fla_site  # fla-core on PYTHONPATH for the kernels group only (the header says why)
-  python3 -m pip install -q --no-index --no-deps --target "$FLA" wheels/fla_core-*.whl wheels/einops-*.whl \
-    > "$R/setup/wheels.log" 2>&1 || { cat "$R/setup/wheels.log"; exit 1; }
-  PYTHONPATH=$FLA python3 -c "import fla, einops; print('fla-core', fla.__version__, 'einops', einops.__version__)" \
-    2>&1 | grep -v -i warn | tee -a "$R/setup/versions.log"
-  python3 -c "import fla" 2> /dev/null && { echo "fla is installed site-wide: HF's Qwen3.5 would run its kernels"; exit 1; }
-  KERNEL_FILES=$(ls tests/gpu/test_*_gpu.py | grep -v -E "test_(backend|cudagraph|generate)_gpu.py")
-  XDIST=$(python3 -c "import xdist" 2> /dev/null && echo "-n ${HF_WORKERS:-4}")
-  status=0
-  case " $groups " in *" kernels "*)
-    PYTHONPATH=$FLA run_group kernels "${KERNELS_SECONDS:-220}" tests/kernels tests/ops tests/model_adapters $KERNEL_FILES;;
-  esac
-  # The HF-model groups side by side, each over $HF_WORKERS pytest workers where xdist is installed.
-  pids=()
-  for g in step_graphs generate; do
-    case " $groups " in *" $g "*) ;; *) continue;; esac
-    [ $g = step_graphs ] && paths="tests/gpu/test_backend_gpu.py tests/gpu/test_cudagraph_gpu.py" limit=${STEP_GRAPHS_SECONDS:-300}
-    [ $g = generate ] && paths="tests/gpu/test_generate_gpu.py" limit=${GENERATE_SECONDS:-300}
-    ( status=0; run_group $g "$limit" $XDIST $paths > "$R/gpu_$g.summary"; exit $status ) &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  cat "$R"/gpu_*.summary 2> /dev/null
-  echo "skipped: $(cat "$R"/gpu_*.log | grep -c -E "SKIPPED")"
-  exit $status
+  gpu_tier "$@"
+  exit $?
   ;;
 mutations)
   R=$OUT
@@ -145,7 +152,7 @@ generate-checks)
     tests/test_compile_routes.py tests/patterns/test_gqa_prologue_hf_paths.py \
     tests/patterns/test_mla_prologue.py::test_hf_latent_not_a_multiple_of_128_compiles_with_the_kv_site_a_reported_miss \
     > "$R/cpu_checks.summary" 2>&1 &
-  run_tests gpu_tier 300 -m gpu tests/gpu
+  gpu_tier
   run_tests kernels_cuda 100 tests/kernels/test_gqa_prologue.py tests/kernels/test_fp32_paths.py tests/kernels/test_skinny_gemm.py
   wait; cat "$R/cpu_checks.summary"
   if [ $# -ge 2 ]; then generate_bench $(($1 - SECONDS)) "$2" 14; fi
