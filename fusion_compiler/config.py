@@ -127,11 +127,10 @@ class FusionConfig:
     def lowering(self, family: str) -> str:
         return self.families.get(family, self.default_lowering)
 
-    def disabled_graph_passes(self) -> tuple[str, ...]:
-        return tuple(stage.name for stage in of_kind(GRAPH_PASS) if not stage.enabled(self))
-
-    def enabled_families(self) -> tuple[str, ...]:
-        return tuple(f for f in FAMILY_ORDER if self.lowering(f) != "off")
+    def sites_off(self) -> frozenset[str]:
+        """The families and graph passes this config turns off: they report no sites, so none
+        can be expected of them."""
+        return frozenset(s.name for s in STAGES if s.kind in (FAMILY, GRAPH_PASS) and not s.enabled(self))
 
     def __reduce__(self):
         # MappingProxyType neither pickles nor deep-copies, and vLLM does both to its inductor

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from ..backend import FusionBackend
-from ..config import FAMILY_ORDER, FusionConfig
+from ..config import FusionConfig
 
 log = logging.getLogger("fusion_compiler")
 
@@ -39,7 +39,7 @@ def expected_sites(model: torch.nn.Module, config: FusionConfig | None = None) -
     from ..model_adapters import adapter_for
 
     config = config or FusionConfig()
-    off = {*config.disabled_graph_passes(), *(set(FAMILY_ORDER) - set(config.enabled_families()))}
+    off = config.sites_off()
     sites = adapter_for(model).expected_sites(model)
     return {family: per_module for family, per_module in sites.items() if family not in off and per_module}
 

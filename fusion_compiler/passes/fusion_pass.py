@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import _compat
-from ..config import FAMILY_ORDER, FusionConfig
+from ..config import FusionConfig
 from ..fx import canonicalize as canonicalize_module
 from ..fx.explain import chain
 from ..fx.module_paths import module_path
@@ -45,7 +45,7 @@ class FusionPass(_compat.CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # A family or graph pass turned off has no sites, so none can be expected of it.
-        off = {*self.config.disabled_graph_passes(), *(set(FAMILY_ORDER) - set(self.config.enabled_families()))}
+        off = self.config.sites_off()
         graph_report = GraphReport(
             graph_index=len(self.report.graphs),
             expected={family: dict(sites) for family, sites in self.config.expected.items() if family not in off},
