@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: HF generate() for MODEL at batch 1 (eager, stock, ours) from two trees in one
 # process each, alternating new / old / new, to tell a change of ours from a change of the
-# machine (MiniMax at batch 1 went from 1.145x stock at e365f08 to 0.553x at 22548af with the same
+# machine (MiniMax at batch 1 went from 1.145x stock at e365f08 to 0.553x at 553705b with the same
 # step graph; bench/NOTES.md, the user's path). Each tree is installed editable before its run and
 # the log names the fusion_compiler it imported.
 #   carry [".gpu_snap", ".gpu_old"]: .gpu_snap = git archive HEAD, .gpu_old = git archive OLD

@@ -17,7 +17,7 @@ Written rows are compared element-wise at 2**-3 of ``|eager| + the row's rms``. 
 run as different GEMMs on the two sides (the bucket's padded rows against B rows), and 1-2 bf16
 ulps of a pre-RoPE element at 4x the rms (2**-6 of the rms each) survive a rotation that cancels
 it to a small value: layer 0 0.101 vs 0.083, layer 1 (whose input carries layer 0's differences
-too) 0.326 vs 0.348, in rows of rms ~1 (H200, b7d9574 and 5f65823). A dropped, stale or
+too) 0.326 vs 0.348, in rows of rms ~1 (H200, c405cf1 and 609128a). A dropped, stale or
 misplaced row is off by O(1) of the rms in nearly every element.
 """
 

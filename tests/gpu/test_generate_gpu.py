@@ -10,7 +10,7 @@
   bias-routed models' experts are pinned (``bench.pin_routing``), so their near-ties cannot flip,
   and DeepSeek's DSA indexer keeps every key (``_dense_indexer``): tiny DeepSeek V3.2 keeps 8 of
   16-24, and a near-tie in its ranking flipped a key at step 4 for stock (0.15 off eager) and
-  at another step for ours (b7d9574 on the H200). The sparse mask's numerics are the DSA kernel's
+  at another step for ours (c405cf1 on the H200). The sparse mask's numerics are the DSA kernel's
   and the step graph's tests (tests/kernels/test_dsa_topk_mask.py, tests/gpu/test_backend_gpu.py).
 
 Each ``generate()`` makes a new static cache, so the later calls also check that the step writes
