@@ -65,6 +65,11 @@
 #                            tests and the GDN core bench at Qwen3.5's real dims; ~8 min
 #   gqa-tp                   on nvidia-h200-x2: issue 5's tensor-parallel test with each rank on its
 #                            own GPU (NCCL; NVLink multicast off, the device library's KINDS.md)
+#   moe-experts [ARGS...]    issue 27: the routed experts alone (bench/moe_experts.py ARGS, e.g.
+#                            --models qwen3.5 --tokens 1 64): ours vs stock Inductor over HF's
+#                            grouped_mm experts vs torch._grouped_mm, % of the copy bandwidth over
+#                            the touched experts' bytes, into $OUT/moe_experts_results.tgz (JSON
+#                            written after every row). MOE_EXPERTS_SECONDS (480) bounds it; ~5 min
 # One-off calls of past sessions are in bench/diagnostics/*_gpu_run.sh.
 OUT=${OUT:-/tmp/out}
 phase=${1:-}; shift || true
@@ -250,9 +255,18 @@ gqa-tp)
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/patterns/test_gqa_prologue_tp.py 2>&1 | tail -n 30 | tee "$R/tp_tests_cuda.log"
   pack tp_results
   ;;
+moe-experts)
+  R=$OUT/moe_experts_results
+  source bench/device_setup.sh "$R"
+  limit=${MOE_EXPERTS_SECONDS:-480}
+  timeout "$limit" python3 bench/moe_experts.py --seconds $((limit - 60)) \
+    --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
+  echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
+  pack moe_experts_results
+  ;;
 *)
   echo "usage: bash bench/gpu_run.sh PHASE [ARGS...]; phases: tier mutations generate-checks generate-bench decode" \
-    "decode-checks inspect dsa gated kernels moe moe-ab moe-tail moe-variants gdn gqa-tp (see the header)" >&2
+    "decode-checks inspect dsa gated kernels moe moe-ab moe-tail moe-variants gdn gqa-tp moe-experts (see the header)" >&2
   exit 2
   ;;
 esac
