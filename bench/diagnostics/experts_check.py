@@ -1,17 +1,19 @@
-"""The reference layers' routed experts at small batches on the GPU: the small-batch Triton
-kernels (fusion_compiler/kernels/routed_experts.py) against the grouped path
-(``moe._grouped_experts``: sort + two ``torch._grouped_mm``), and their launch shapes.
+"""The ``moe_experts`` stage's kernels on the GPU: the small-batch Triton kernels
+(fusion_compiler/kernels/moe_experts.py) and the grouped Triton kernels
+(fusion_compiler/kernels/moe_experts_grouped.py) against a torch grouped path (``grouped_mm_experts``
+below: sort + two ``torch._grouped_mm``, the op's rounding points), and the small-batch launch shapes.
 
 For MiniMax-M2.5 (256 experts, top 8, H 3072, I 1536), Qwen3.5-397B (512, top 10, H 4096,
 I 1024) and DeepSeek V3.2 (256, top 8, H 7168, I 2048), random bf16 weights (one model's at a
 time: DeepSeek's are 22.5 GB), random distinct ids per token, fp32 routing weights (Qwen's
 router returns bf16 ones, so bf16 there):
 
-  check   per T in 1, 4, 8, 16: the kernels' output vs the grouped path's (relative error
-          ||a - b|| / ||b|| and max |a - b| / max |b|);
+  check   per T in 1, 4, 8, 16, 64: the small-batch and the grouped kernels' outputs vs the torch
+          grouped path's (relative error ||a - b|| / ||b|| and max |a - b| / max |b|);
   time    per T: CUDA-graph µs (bench/common.graph_time_us: one graph of calls cycling through
-          4 input sets with different experts, so weights come from HBM) of the grouped path,
-          the kernels as shipped (``default_config``), and each kernel alone; the chosen
+          4 input sets with different experts, so weights come from HBM) of the torch grouped
+          path, the small-batch kernels as shipped (``default_config``), each of them alone, and
+          the grouped kernels (their ``default_config``); the chosen
           experts' weight bytes (distinct experts: what the grouped path reads, the floor; and
           per (token, k) pair: what the kernels read, a repeated expert again) and GB/s;
   sweep   at T = 1 and 8: each kernel alone over a few (block_n, block_k, warps, stages) shapes
@@ -38,8 +40,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 
-from fusion_compiler.kernels import routed_experts as K  # noqa: E402
-from fusion_compiler.model_adapters.reference import moe  # noqa: E402
+from fusion_compiler.kernels import moe_experts as K  # noqa: E402
+from fusion_compiler.kernels import moe_experts_grouped as G  # noqa: E402
+from fusion_compiler.ops.moe_experts import SMALL_BATCH_MAX_TOKENS  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate, routing-weights dtype)
@@ -47,7 +50,7 @@ MODELS = {  # name: (experts, top_k, hidden, intermediate, routing-weights dtype
     "qwen3.5": (512, 10, 4096, 1024, torch.bfloat16),
     "deepseek-v3.2": (256, 8, 7168, 2048, torch.float32),
 }
-TOKENS = (1, 4, 8, 16)
+TOKENS = (1, 4, 8, 16, 64)  # 64: past the op's split, the grouped kernels' side
 SWEEP_TOKENS = (1, 8)
 ROTATIONS = 4
 # (block_n, block_k, warps, stages) per kernel; the default_config choice is always timed too.
@@ -56,6 +59,24 @@ GATE_UP_SHAPES = ((16, 256, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (16, 512, 8, 
 DOWN_SHAPES = ((8, 512, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (16, 256, 4, 1), (16, 512, 8, 1), (8, 1024, 8, 1),
                (2, 1024, 2, 1), (8, 512, 4, 3), (16, 256, 4, 4))  # fmt: skip
 SWEEP_TIMING = {"calls_per_graph": 10, "replays": 30}
+
+
+def grouped_mm_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """The (token, k) rows sorted by expert, then ``torch._grouped_mm`` per projection over the
+    weights' transposed views (HF's grouped-mm layout; ids all in [0, E)). Offsets from a count
+    on the device (``index_add_``, not ``bincount``): no host sync, a CUDA graph captures it."""
+    tokens, top_k = top_k_ids.shape
+    flat = top_k_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = order // top_k  # the token of each sorted (token, k) row
+    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(hidden[rows], gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(torch.nn.functional.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+    weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    total = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return total.index_add_(0, rows, weighted).to(hidden.dtype)
 
 
 def make_weights(experts, hidden, inter, seed=0):
@@ -160,14 +181,17 @@ def run_tokens(run: Runner, name: str, tokens: int, gate_up, down, row: dict) ->
         "pairs": tokens * top_k, "distinct_experts": distinct,
         "distinct_bytes": distinct * row["expert_bytes"], "pair_bytes": tokens * top_k * row["expert_bytes"],
         "default_config": dataclasses.asdict(config),
-        "op_takes_kernel": tokens * top_k <= moe.SMALL_BATCH_MAX_PAIRS,
+        "op_takes_small_batch": tokens <= SMALL_BATCH_MAX_TOKENS,
     })  # fmt: skip
 
     def kernels(s):
         return K.small_batch_experts(s["hidden"], s["top_k_ids"], s["top_k_weights"], gate_up, down, config)
 
     def grouped(s):
-        return moe._grouped_experts(s["hidden"], s["top_k_ids"], s["top_k_weights"], gate_up, down)
+        return grouped_mm_experts(s["hidden"], s["top_k_ids"], s["top_k_weights"], gate_up, down)
+
+    def grouped_kernels(s):
+        return G.grouped_experts(s["hidden"], s["top_k_ids"], s["top_k_weights"], gate_up, down)
 
     def gate_up_alone(s):
         K.launch_gate_up(s["hidden"], s["top_k_ids"], gate_up, s["act"],
@@ -182,11 +206,14 @@ def run_tokens(run: Runner, name: str, tokens: int, gate_up, down, row: dict) ->
         ref = grouped(sets[0])
         case.update(errors(kernels(sets[0]), ref))
         case["deterministic"] = bool(torch.equal(kernels(sets[0]), kernels(sets[0])))
+        case["grouped_kernels"] = errors(grouped_kernels(sets[0]), ref)
+        case["grouped_kernels"]["deterministic"] = bool(torch.equal(grouped_kernels(sets[0]), grouped_kernels(sets[0])))
 
     run.attempt(f"{what} check", check)
     timed = {  # label: (fn, bytes the GB/s are of)
         "grouped": (grouped, case["distinct_bytes"]),
         "kernels": (kernels, case["distinct_bytes"]),
+        "grouped_kernels": (grouped_kernels, case["distinct_bytes"]),
         "gate_up": (gate_up_alone, case["pair_bytes"] * 2 / 3),
         "down": (down_alone, case["pair_bytes"] / 3),
     }
@@ -200,7 +227,8 @@ def run_tokens(run: Runner, name: str, tokens: int, gate_up, down, row: dict) ->
     if case.get("kernels_us") and case.get("grouped_us"):
         case["speedup"] = case["grouped_us"] / case["kernels_us"]
     nan = float("nan")
-    print(f"{what}: grouped {case.get('grouped_us', nan):.1f} us, kernels {case.get('kernels_us', nan):.1f} us "
+    print(f"{what}: grouped {case.get('grouped_us', nan):.1f} us, grouped kernels "
+          f"{case.get('grouped_kernels_us', nan):.1f} us, kernels {case.get('kernels_us', nan):.1f} us "
           f"({case.get('kernels_gbs', nan):.0f} GB/s of distinct experts; gate_up {case.get('gate_up_us', nan):.1f}, "
           f"down {case.get('down_us', nan):.1f}), rel err {case.get('rel_err', nan):.2e}", flush=True)  # fmt: skip
     if tokens in run.args.sweep_tokens:
@@ -211,7 +239,7 @@ def sweep(run: Runner, name, tokens, sets, gate_up, down, config, case) -> None:
     what = f"{name} T={tokens} sweep"
     result = {"gate_up": [], "down": []}
     run.payload["models"][name]["sweep"][str(tokens)] = result
-    ref = moe._grouped_experts(sets[0]["hidden"], sets[0]["top_k_ids"], sets[0]["top_k_weights"], gate_up, down)
+    ref = grouped_mm_experts(sets[0]["hidden"], sets[0]["top_k_ids"], sets[0]["top_k_weights"], gate_up, down)
     default_gate_up = (config.gate_up_block_n, config.gate_up_block_k, config.gate_up_warps, config.gate_up_stages)
     default_down = (config.down_block_n, config.down_block_k, config.down_warps, config.down_stages)
 
@@ -289,7 +317,7 @@ def main() -> None:
 
     run = Runner(args)
     run.payload["device"] = run.attempt("device facts", common.device_facts)
-    run.payload["small_batch_max_pairs"] = moe.SMALL_BATCH_MAX_PAIRS
+    run.payload["small_batch_max_tokens"] = SMALL_BATCH_MAX_TOKENS
     run.payload["copy_gbs"] = run.attempt("copy bandwidth", lambda: common.copy_bandwidth_gbs(1.0))
     run.save()
     for name in args.models:

@@ -1,8 +1,8 @@
 """Triton kernels, one file per family. Nothing here imports graph code.
 
-Two are reference-only (the first line of each says so): ``paged_decode_attention`` and
-``routed_experts``, which only the serving-engine reference layers (model_adapters/reference/)
-launch; no stage runs them, so they are not in ``_KERNEL_MODULES``."""
+One is reference-only (its first line says so): ``paged_decode_attention``, which only the
+serving-engine reference layers (model_adapters/reference/) launch; no stage runs it, so it is not
+in ``_KERNEL_MODULES``."""
 
 import importlib
 

@@ -11,7 +11,7 @@ kernel. The token is the fastest grid axis, so the programs of the M tokens that
 rows run at about the same time and the repeats come from L2 (HBM reads the weight once; L2
 serves it M times, which is why this is for small M only: ``MAX_TOKENS``).
 
-Launch shape by the Little's-law argument the experts kernels use (routed_experts.py): at
+Launch shape by the Little's-law argument the experts kernels use (moe_experts.py): at
 ~4.2 TB/s and ~1 us of latency the H200 needs ~4 MB of loads in flight; 2 rows x 1024 at 2
 warps (4 KB a step, thousands of programs) is the thin shape that won every H200 sweep of the
 experts' down kernel; at M = 1 here the best of seven shapes was within 0-8% of it on every

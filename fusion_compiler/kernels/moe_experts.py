@@ -1,17 +1,20 @@
-"""Reference-only kernel: only the reference layers (model_adapters/reference/moe.py) use it.
+"""The ``moe_experts`` stage's small-batch kernels (``fusion_compiler::moe_experts`` on CUDA up
+to ``ops/moe_experts.SMALL_BATCH_MAX_TOKENS`` tokens; above, kernels/moe_experts_grouped.py):
+two Triton GEMV-style kernels that read each chosen (token, k) pair's expert weights once, with
+no sort. The op's semantics and rounding points: ``ops/moe_experts.moe_experts_reference``.
 
-The routed experts at small batches: two Triton GEMV-style kernels that read each chosen
-(token, k) pair's expert weights once, with no sort (``fusion_compiler_ref::routed_experts``'s
-small-batch path on CUDA; not a compiler op, no family's kernel: not in ``_KERNEL_MODULES``).
-
-For pair p = (t, k), e = ids[t, k], x = hidden[t] (gate_up_proj [E, 2I, H]: gate rows, then up
-rows, HF's layout; down_proj [E, H, I]):
+For pair p = (t, k), e = ids[t, k] (int64 or int32), x = hidden[t] (gate_up_proj [E, 2I, H]:
+gate rows, then up rows, HF's layout; down_proj [E, H, I]):
 
     kernel 1, grid (pair, I block):  gate = W_gate[e] @ x, up = W_up[e] @ x   (fp32 accumulation)
                                      act[p] = silu(gate) * up                 -> buffer [T * k, I]
     kernel 2, grid (token, H block): out[t] = sum_k w[t, k] * (W_down[e] @ act[(t, k)])
 
-Rounding mirrors the torch paths (``_grouped_experts`` and the einsum one), where every GEMM
+A pair whose id is outside [0, E) (-1 padding, or HF's expert-parallel sentinel >= E) is
+padding: kernel 1 reads no weights and writes nothing for it, kernel 2 skips it (the number of
+experts is a kernel argument), so a token with only padding pairs gets zeros.
+
+Rounding is the reference's (HF's ``grouped_mm`` / ``batched_mm`` experts), where every GEMM
 returns the activation dtype: gate and up are rounded to it, ``F.silu(gate)`` is computed in
 fp32 and rounded, the product ``silu * up`` is formed in fp32 and rounded; each expert's down
 output is rounded, then ``out.float() * weight`` and the sum over k are fp32 (here in k order,
@@ -41,6 +44,8 @@ import triton.language as tl
 from ._device import downcast as _downcast
 from ._device import launch_on_device, rows_dot_step
 from ._device import upcast as _upcast
+
+KERNEL_VERSION = "moe_experts-1"
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -120,10 +125,20 @@ def default_config(tokens: int, top_k: int, hidden: int, intermediate: int) -> L
 
 
 @triton.jit
+def silu_mul_rounded(gate_acc, up_acc, DTYPE: tl.constexpr):
+    """The op's act from fp32 GEMM sums: gate and up rounded to DTYPE (the GEMMs' outputs),
+    F.silu(gate) in fp32 rounded, the product in fp32 rounded (returned in DTYPE)."""
+    gate = _upcast(_downcast(gate_acc, DTYPE))
+    up = _upcast(_downcast(up_acc, DTYPE))
+    silu = _upcast(_downcast(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE))
+    return _downcast(silu * up, DTYPE)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, act_ptr,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,  # constexpr: known trip counts (and the interpreter needs them)
-    stride_xt, stride_we, stride_wr, stride_ap,
+    experts, stride_xt, stride_we, stride_wr, stride_ap,
     TOP_K: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -132,48 +147,43 @@ def _gate_up_kernel(
     block = tl.program_id(1)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)  # int64: E * 2I * HIDDEN passes 2**31 (DeepSeek)
+    if (expert >= 0) & (expert < experts):  # else padding: no weights read, nothing written
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_K)
+        gate_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :]
+        up_ptrs = gate_ptrs + INTER * stride_wr
+        x_ptrs = x_ptr + token * stride_xt + cols
 
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    gate_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wr + cols[None, :]
-    up_ptrs = gate_ptrs + INTER * stride_wr
-    x_ptrs = x_ptr + token * stride_xt + cols
+        gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=STAGES):
+            if EVEN_N and EVEN_K:
+                x = tl.load(x_ptrs + k0)
+                wg = tl.load(gate_ptrs + k0)
+                wu = tl.load(up_ptrs + k0)
+            else:
+                col_ok = (k0 + cols) < HIDDEN
+                tile_ok = (rows[:, None] < INTER) & col_ok[None, :]
+                x = tl.load(x_ptrs + k0, mask=col_ok, other=0.0)
+                wg = tl.load(gate_ptrs + k0, mask=tile_ok, other=0.0)
+                wu = tl.load(up_ptrs + k0, mask=tile_ok, other=0.0)
+            xf = _upcast(x)[None, :]
+            gate_acc += _upcast(wg) * xf
+            up_acc += _upcast(wu) * xf
 
-    gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=STAGES):
-        if EVEN_N and EVEN_K:
-            x = tl.load(x_ptrs + k0)
-            wg = tl.load(gate_ptrs + k0)
-            wu = tl.load(up_ptrs + k0)
+        act = silu_mul_rounded(tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1), DTYPE)
+        act_ptrs = act_ptr + pair * stride_ap + rows
+        if EVEN_N:
+            tl.store(act_ptrs, act)
         else:
-            col_ok = (k0 + cols) < HIDDEN
-            tile_ok = (rows[:, None] < INTER) & col_ok[None, :]
-            x = tl.load(x_ptrs + k0, mask=col_ok, other=0.0)
-            wg = tl.load(gate_ptrs + k0, mask=tile_ok, other=0.0)
-            wu = tl.load(up_ptrs + k0, mask=tile_ok, other=0.0)
-        xf = _upcast(x)[None, :]
-        gate_acc += _upcast(wg) * xf
-        up_acc += _upcast(wu) * xf
-
-    # The GEMMs' outputs in the activation dtype, then F.silu (fp32 inside, rounded), then the
-    # product (fp32, rounded on the store).
-    gate = _upcast(_downcast(tl.sum(gate_acc, axis=1), DTYPE))
-    up = _upcast(_downcast(tl.sum(up_acc, axis=1), DTYPE))
-    silu = _upcast(_downcast(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE))
-    act = _downcast(silu * up, DTYPE)
-    act_ptrs = act_ptr + pair * stride_ap + rows
-    if EVEN_N:
-        tl.store(act_ptrs, act)
-    else:
-        tl.store(act_ptrs, act, mask=rows < INTER)
+            tl.store(act_ptrs, act, mask=rows < INTER)
 
 
 @triton.jit
 def _down_kernel(
     act_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr,
     HIDDEN: tl.constexpr, INTER: tl.constexpr,  # constexpr: known trip counts (and the interpreter needs them)
-    stride_ap, stride_we, stride_wr, stride_ot,
+    experts, stride_ap, stride_we, stride_wr, stride_ot,
     TOP_K: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -188,14 +198,15 @@ def _down_kernel(
     for k in tl.static_range(TOP_K):  # unrolled: the experts' id / weight loads are independent
         pair = token * TOP_K + k
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = _upcast(tl.load(weights_ptr + pair))
-        w_ptrs = w_ptr + expert * stride_we + row_ptrs
-        a_ptrs = act_ptr + pair * stride_ap + cols
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
-            acc = rows_dot_step(acc, w_ptrs, a_ptrs, k0, rows, cols, HIDDEN, INTER, EVEN_N and EVEN_K)
-        # The expert's GEMM output in the activation dtype, then out.float() * weight, summed in fp32.
-        total += _upcast(_downcast(tl.sum(acc, axis=1), DTYPE)) * weight
+        if (expert >= 0) & (expert < experts):  # else padding: skipped (its act row was never written)
+            weight = _upcast(tl.load(weights_ptr + pair))
+            w_ptrs = w_ptr + expert * stride_we + row_ptrs
+            a_ptrs = act_ptr + pair * stride_ap + cols
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
+                acc = rows_dot_step(acc, w_ptrs, a_ptrs, k0, rows, cols, HIDDEN, INTER, EVEN_N and EVEN_K)
+            # The expert's GEMM output in the activation dtype, then out.float() * weight, summed in fp32.
+            total += _upcast(_downcast(tl.sum(acc, axis=1), DTYPE)) * weight
 
     out_ptrs = out_ptr + token * stride_ot + rows
     if EVEN_N:
@@ -213,12 +224,12 @@ def supports(
     hidden: torch.Tensor, top_k_ids: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> bool:
     """Whether ``small_batch_experts`` takes these tensors: float weights in hidden's dtype, rows
-    contiguous (unit stride on the last dim), integer ids, consistent shapes."""
+    contiguous (unit stride on the last dim), int64 or int32 ids, consistent shapes."""
     return (
         hidden.dtype in _TL_DTYPES
         and gate_up_proj.dtype == hidden.dtype
         and down_proj.dtype == hidden.dtype
-        and not top_k_ids.is_floating_point()
+        and top_k_ids.dtype in (torch.int64, torch.int32)
         and gate_up_proj.dim() == 3
         and down_proj.dim() == 3
         and gate_up_proj.shape[2] == hidden.shape[1]
@@ -239,7 +250,7 @@ def launch_gate_up(hidden, top_k_ids, gate_up_proj, act, block_n, block_k, num_w
     launch_on_device(hidden, lambda: _gate_up_kernel[grid](
         hidden, top_k_ids, gate_up_proj, act,
         hidden_size, intermediate,
-        hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+        gate_up_proj.shape[0], hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, DTYPE=_TL_DTYPES[act.dtype],
         BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=intermediate % block_n == 0, EVEN_K=hidden_size % block_k == 0, STAGES=stages,
@@ -256,7 +267,7 @@ def launch_down(act, top_k_ids, top_k_weights, down_proj, out, block_n, block_k,
     launch_on_device(out, lambda: _down_kernel[grid](
         act, top_k_ids, top_k_weights, down_proj, out,
         hidden_size, intermediate,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        down_proj.shape[0], act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         TOP_K=top_k, DTYPE=_TL_DTYPES[act.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
         BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=hidden_size % block_n == 0, EVEN_K=intermediate % block_k == 0, STAGES=stages,
@@ -271,22 +282,20 @@ def small_batch_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``routed_experts`` (same arguments, same result up to summation order) in two launches:
-    hidden [T, H], ids / weights [T, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] ->
-    [T, H] in hidden's dtype. ``config``: launch shape, ``default_config`` by size if None."""
-    if not supports(hidden, top_k_ids, gate_up_proj, down_proj):
-        raise ValueError(
-            f"small_batch_experts: hidden {tuple(hidden.shape)} {hidden.dtype}, ids {top_k_ids.dtype}, "
-            f"gate_up_proj {tuple(gate_up_proj.shape)} {gate_up_proj.dtype} stride {gate_up_proj.stride()}, "
-            f"down_proj {tuple(down_proj.shape)} {down_proj.dtype} stride {down_proj.stride()} not supported"
-        )
+    """``fusion_compiler::moe_experts`` (same arguments, the reference's result up to summation
+    order) in two launches: hidden [T, H], ids / weights [T, k], gate_up_proj [E, 2I, H],
+    down_proj [E, H, I] -> [T, H] in hidden's dtype. ``config``: launch shape, ``default_config``
+    by size if None. ``out``: where to write (a [T, H] tensor in hidden's dtype, rows of unit
+    stride; every element is written), a new tensor if None."""
+    hidden, top_k_ids, top_k_weights, out = prepare(
+        "small_batch_experts", hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, out
+    )
     tokens, top_k = top_k_ids.shape
     hidden_size, intermediate = hidden.shape[1], down_proj.shape[2]
     if config is None:
         config = default_config(tokens, top_k, hidden_size, intermediate)
-    hidden, top_k_ids, top_k_weights = hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous()
-    out = torch.empty_like(hidden)
     if tokens == 0 or hidden_size == 0:
         return out
     act = torch.empty(tokens * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
@@ -297,3 +306,23 @@ def small_batch_experts(
     launch_down(act, top_k_ids, top_k_weights, down_proj, out,
                 config.down_block_n, config.down_block_k, config.down_warps, config.down_stages)  # fmt: skip
     return out
+
+
+def prepare(launcher: str, hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, out):
+    """The launchers' common start: ValueError unless ``supports``; hidden, ids and weights made
+    contiguous; ``out`` checked against hidden ([T, H], its dtype and device, unit stride along
+    H) or a new tensor like hidden."""
+    if not supports(hidden, top_k_ids, gate_up_proj, down_proj):
+        raise ValueError(
+            f"{launcher}: hidden {tuple(hidden.shape)} {hidden.dtype}, ids {top_k_ids.dtype}, "
+            f"gate_up_proj {tuple(gate_up_proj.shape)} {gate_up_proj.dtype} stride {gate_up_proj.stride()}, "
+            f"down_proj {tuple(down_proj.shape)} {down_proj.dtype} stride {down_proj.stride()} not supported"
+        )
+    if out is None:
+        out = torch.empty_like(hidden)
+    elif out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device:
+        raise ValueError(f"{launcher}: out {tuple(out.shape)} {out.dtype} {out.device} is not like hidden "
+                         f"{tuple(hidden.shape)} {hidden.dtype} {hidden.device}")  # fmt: skip
+    elif out.shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError(f"{launcher}: out's rows must have unit stride, got strides {out.stride()}")
+    return hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous(), out

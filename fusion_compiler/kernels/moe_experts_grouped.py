@@ -1,0 +1,323 @@
+"""The ``moe_experts`` stage's grouped kernels (``fusion_compiler::moe_experts`` on CUDA above
+``ops/moe_experts.SMALL_BATCH_MAX_TOKENS`` tokens; at or below, kernels/moe_experts.py): the
+(token, k) pairs grouped by expert on the device, and each touched expert's weights read once for
+all its pairs with ``tl.dot`` tiles. The op's semantics and rounding points:
+``ops/moe_experts.moe_experts_reference``.
+
+Four launches, P = T * k pairs, gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj
+[E, H, I], S = min(E, P) expert slots (at most that many experts can be touched):
+
+    align,   grid (1,):                one program loads all P ids, maps padding (an id outside
+                                       [0, E): -1, or HF's expert-parallel sentinel >= E) past the
+                                       last expert, sorts the keys ``expert * P_POW2 + pair`` with
+                                       ``tl.sort`` and writes the plan: the pairs in expert order,
+                                       per-expert offsets [E + 1] (histogram, exclusive cumsum),
+                                       the touched experts compacted into slots, and their count;
+    gate_up, grid (S, cdiv(I, BN)):    slot s's expert, BLOCK_M of its pairs at a time (a run
+                                       longer than BLOCK_M loops; the program's weight rows come
+                                       again from L2), x rows gathered by token = pair // k;
+                                       act[pair] = silu(gate) * up written in the ORIGINAL pair
+                                       order (no permuted copy); a slot past the touched count
+                                       loops zero times;
+    down,    grid (S, cdiv(H, BN)):    the same over act: y[pair] = W_down[e] @ act[pair],
+                                       rounded to hidden's dtype (the reference's rounding point,
+                                       so y is stored in that dtype: half the fp32 bytes);
+    combine, grid (T, cdiv(H, BLOCK)): out[t] = sum_k float(w[t, k]) * float(y[(t, k)]) in k
+                                       order (deterministic, no atomics), padding pairs skipped
+                                       (their y rows are never written), rounded once.
+
+Padding pairs are never gathered by the GEMM kernels (they sort past the last expert's offset),
+so no weight is read for them and a token with only padding pairs gets zeros. The order of the
+pairs inside one expert's run does not change any bit: a ``tl.dot`` row depends only on its own
+row. No host sync, no data-dependent shapes (the grids depend on T, k, E, H, I only): a CUDA graph
+captures it. Expert offsets into the weights are int64 (E * 2I * H passes 2**31 for DeepSeek:
+256 x 4096 x 7168). The single align program holds all P keys at once, fine up to
+``GroupedConfig.align_max_pairs`` (16384: 2048 tokens x top 8); past it (a long prefill) the
+plan comes from a few torch ops instead, still on the device with no host sync, every expert
+given a slot.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``, set before importing this module) it runs on
+CPU tensors, with the bit-exact casts and the fp32 ``mma`` of ``kernels/_device.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import downcast as _downcast
+from ._device import launch_on_device, mma
+from ._device import upcast as _upcast
+from .moe_experts import _TL_DTYPES, prepare, silu_mul_rounded
+
+KERNEL_VERSION = "moe_experts_grouped-1"
+
+# Pairs per expert a GEMM program takes at once: tl.dot needs >= 16 rows; the average run
+# (P / E) sets it up to 64, past which a longer run loops (e.g. MiniMax at 64 tokens: 512 pairs
+# over 256 experts, ~2 a touched expert: 16; at 2048 tokens 64 a run: 64).
+_MIN_BLOCK_M = 16
+_MAX_BLOCK_M = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Launch shape of the four kernels. ``block_m``: pairs a GEMM program takes at once (>= 16,
+    a power of two); ``*_block_n``: output columns per program (I for gate_up, H for down);
+    ``*_block_k``: reduced-dim step (H for gate_up, I for down); ``*_stages``: ``num_stages`` of
+    the reduced-dim loop (Triton's software pipeliner); ``combine_block``: H columns per combine
+    program. Not measured on an H200 yet: bench/moe_experts.py is to sweep it."""
+
+    block_m: int = 16
+    gate_up_block_n: int = 64
+    gate_up_block_k: int = 64
+    gate_up_warps: int = 4
+    gate_up_stages: int = 3
+    down_block_n: int = 64
+    down_block_k: int = 64
+    down_warps: int = 4
+    down_stages: int = 3
+    combine_block: int = 1024
+    combine_warps: int = 4
+    # The align kernel holds all keys of the next power of two >= P in one program; 65536 of them
+    # (8192 tokens x top 8) needed 256 KB of shared memory on an H200 (limit 227 KB). Past this
+    # many, the plan comes from torch on the device instead (``_torch_plan``: no host sync either).
+    align_max_pairs: int = 16384
+
+
+def default_config(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int) -> GroupedConfig:
+    """``block_m`` by the average run P / E (16..64); the tiles 64 x 64 (bf16 gate_up with 3
+    stages: (16 x 64 + 2 x 64 x 64) x 2 B x 3 = 55 KB of shared memory), narrowed to the dims'
+    powers of two at tiny shapes; MiniMax at 17 tokens: 136 slots x 24 I blocks = 3264 gate_up
+    programs, >= 2 per SM of an H200."""
+    pairs = tokens * top_k
+    block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(triton.cdiv(pairs, max(experts, 1)))))
+
+    def tile(dim: int) -> int:
+        return max(16, min(64, triton.next_power_of_2(dim)))
+
+    return GroupedConfig(
+        block_m=block_m,
+        gate_up_block_n=tile(intermediate),
+        gate_up_block_k=tile(hidden),
+        down_block_n=tile(hidden),
+        down_block_k=tile(intermediate),
+        combine_block=max(16, min(1024, triton.next_power_of_2(hidden))),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _align_kernel(ids_ptr, plan_ptr, experts, PAIRS: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr):
+    """The plan (int32): [0, P) the pairs sorted by expert (padding last), [P, P + E + 1) the
+    experts' offsets into it, [P + E + 1, P + 2E + 1) the touched experts in id order, then
+    their count. E_BINS > E: padding's bin E is counted apart."""
+    pair = tl.arange(0, P_POW2)
+    in_range = pair < PAIRS
+    ids = tl.load(ids_ptr + pair, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (ids >= 0) & (ids < experts)
+    expert = tl.where(valid, ids, experts).to(tl.int32)
+    keys = tl.sort(expert * P_POW2 + pair)
+    tl.store(plan_ptr + pair, keys % P_POW2, mask=in_range)  # every real pair sorts before P
+
+    counts = tl.histogram(expert, E_BINS)
+    bins = tl.arange(0, E_BINS)
+    tl.store(plan_ptr + PAIRS + bins, tl.cumsum(counts, 0) - counts, mask=bins <= experts)
+    touched = ((counts > 0) & (bins < experts)).to(tl.int32)
+    slot = tl.cumsum(touched, 0) - touched
+    tl.store(plan_ptr + PAIRS + experts + 1 + slot, bins, mask=touched > 0)
+    tl.store(plan_ptr + PAIRS + 2 * experts + 1, tl.sum(touched, 0))
+
+
+@triton.jit
+def _expert_run(plan_ptr, experts, PAIRS: tl.constexpr):
+    """This program's slot: its expert (int64) and run [start, end) in the sorted pairs; an
+    empty run past the touched count."""
+    slot = tl.program_id(0)
+    live = slot < tl.load(plan_ptr + PAIRS + 2 * experts + 1)
+    # Unmasked loads (slot < E: in bounds; a dead slot's entry is stale, replaced by expert 0's
+    # run, emptied): the interpreter's masked scalar loads are not scalars.
+    expert = tl.where(live, tl.load(plan_ptr + PAIRS + experts + 1 + slot), 0)
+    start = tl.where(live, tl.load(plan_ptr + PAIRS + expert), 0)
+    end = tl.where(live, tl.load(plan_ptr + PAIRS + expert + 1), 0)
+    return expert.to(tl.int64), start, end
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, plan_ptr,
+    experts, stride_xt, stride_we, stride_wr, stride_ap,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    n_ok = n < INTER
+    gate_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wr + k[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + INTER * stride_wr
+    m0 = start
+    while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
+        m_ok = m0 + m < end
+        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        x_ptrs = x_ptr + (pair // TOP_K)[:, None] * stride_xt + k[None, :]
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=STAGES):
+            k_ok = k0 + k < HIDDEN
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            gate += mma(x, tl.load(gate_ptrs + k0, mask=w_ok, other=0.0))
+            up += mma(x, tl.load(up_ptrs + k0, mask=w_ok, other=0.0))
+        act = silu_mul_rounded(gate, up, DTYPE)
+        tl.store(act_ptr + pair[:, None] * stride_ap + n[None, :], act, mask=m_ok[:, None] & n_ok[None, :])
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, w_ptr, y_ptr, plan_ptr,
+    experts, stride_ap, stride_we, stride_wr, stride_yp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    n_ok = n < HIDDEN
+    w_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wr + k[:, None]  # [BLOCK_K, BLOCK_N]
+    m0 = start
+    while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
+        m_ok = m0 + m < end
+        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        a_ptrs = act_ptr + pair[:, None] * stride_ap + k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
+            k_ok = k0 + k < INTER
+            a = tl.load(a_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += mma(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0))
+        # The expert's GEMM output in the activation dtype (exact in y's dtype).
+        tl.store(y_ptr + pair[:, None] * stride_yp + n[None, :], _downcast(acc, DTYPE),
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, ids_ptr, weights_ptr, out_ptr,
+    experts, stride_yp, stride_ot,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols_ok = cols < HIDDEN
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # k order: deterministic
+        pair = token * TOP_K + k
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if (expert >= 0) & (expert < experts):  # else padding: its y row was never written
+            weight = _upcast(tl.load(weights_ptr + pair))
+            y = tl.load(y_ptr + pair.to(tl.int64) * stride_yp + cols, mask=cols_ok, other=0.0)
+            total += _upcast(y) * weight
+    tl.store(out_ptr + token * stride_ot + cols, _downcast(total, OUT_DTYPE), mask=cols_ok)
+
+
+# ------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------
+
+
+def plan_size(pairs: int, experts: int) -> int:
+    """int32 elements of the align kernel's plan (see ``_align_kernel``)."""
+    return pairs + 2 * experts + 2
+
+
+def _torch_plan(top_k_ids: torch.Tensor, experts: int, plan: torch.Tensor) -> None:
+    """The align kernel's plan from torch ops (a stable sort, a count by ``index_add_``, a
+    cumsum: no host sync), for pair counts past one program: every expert gets a slot (a
+    compaction would need a data-dependent shape), an untouched one an empty run."""
+    pairs = top_k_ids.numel()
+    flat = top_k_ids.reshape(-1).long()
+    keys = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    plan[:pairs] = torch.argsort(keys, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    plan[pairs] = 0
+    plan[pairs + 1 : pairs + experts + 1] = torch.cumsum(counts[:experts], 0)
+    plan[pairs + experts + 1 : pairs + 2 * experts + 1] = torch.arange(experts, device=flat.device)
+    plan[pairs + 2 * experts + 1] = experts
+
+
+def grouped_experts(
+    hidden: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    config: GroupedConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fusion_compiler::moe_experts`` (same arguments, the reference's result up to summation
+    order) in four launches: hidden [T, H], ids / weights [T, k], gate_up_proj [E, 2I, H],
+    down_proj [E, H, I] -> [T, H] in hidden's dtype. ``config``: launch shape, ``default_config``
+    by size if None. ``out``: where to write (a [T, H] tensor in hidden's dtype, rows of unit
+    stride; every element is written), a new tensor if None."""
+    hidden, top_k_ids, top_k_weights, out = prepare(
+        "grouped_experts", hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, out
+    )
+    tokens, top_k = top_k_ids.shape
+    experts, hidden_size, intermediate = down_proj.shape
+    pairs = tokens * top_k
+    if config is None:
+        config = default_config(tokens, top_k, experts, hidden_size, intermediate)
+    c = config
+    if c.block_m < 16 or c.block_m & (c.block_m - 1):
+        raise ValueError(f"block_m {c.block_m}: tl.dot takes a power of two >= 16")
+    p_pow2 = triton.next_power_of_2(max(pairs, 1))
+    if tokens == 0 or hidden_size == 0:
+        return out
+    dtype, device = hidden.dtype, hidden.device
+    y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
+    if pairs and intermediate:
+        plan = torch.empty(plan_size(pairs, experts), dtype=torch.int32, device=device)
+        act = torch.empty(pairs, intermediate, dtype=dtype, device=device)
+        slots = min(experts, pairs)
+        if p_pow2 <= c.align_max_pairs and (experts + 1) * p_pow2 < 2**31:  # (int32 sort keys)
+            launch_on_device(hidden, lambda: _align_kernel[(1,)](
+                top_k_ids, plan, experts,
+                PAIRS=pairs, P_POW2=p_pow2, E_BINS=triton.next_power_of_2(experts + 1),
+                num_warps=4 if p_pow2 <= 2048 else 8 if p_pow2 <= 8192 else 16,
+            ))  # fmt: skip
+        else:
+            _torch_plan(top_k_ids, experts, plan)
+        launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, c.gate_up_block_n))](
+            hidden, gate_up_proj, act, plan,
+            experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+            BLOCK_M=c.block_m, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, STAGES=c.gate_up_stages,
+            num_warps=c.gate_up_warps,
+        ))  # fmt: skip
+        launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, triton.cdiv(hidden_size, c.down_block_n))](
+            act, down_proj, y, plan,
+            experts, act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
+            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, DTYPE=_TL_DTYPES[dtype],
+            BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k, STAGES=c.down_stages,
+            num_warps=c.down_warps,
+        ))  # fmt: skip
+    else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
+        y.zero_()
+    launch_on_device(hidden, lambda: _combine_kernel[(tokens, triton.cdiv(hidden_size, c.combine_block))](
+        y, top_k_ids, top_k_weights, out,
+        experts, y.stride(0), out.stride(0),
+        HIDDEN=hidden_size, TOP_K=top_k, OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK=c.combine_block,
+        num_warps=c.combine_warps,
+    ))  # fmt: skip
+    return out
