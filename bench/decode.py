@@ -38,13 +38,13 @@ the order of ``last_bit_noise`` is agreement. Where the model selects (DeepSeek'
 indexer pinned to eager's selection and compared again: ``vs_eager_pinned``, the check of the
 arithmetic itself (``--no-pinned`` skips it: two more compiles per stack and batch).
 
-Experts: identical in every mode, so the comparison isolates fusion. HF's routed experts are
-stubbed to zeros by default (``--hf-experts``: the issue's latency bar), leaving attention +
-router + norms + shared expert; ours run through an opaque op, by default reading each chosen
-expert once (``--ref-experts grouped``: on CUDA up to 160 (token, k) pairs two Triton GEMV
-kernels, ``kernels/routed_experts.py``, else ``torch._grouped_mm``; ``compute`` gathers
-every token's experts' weights, ~27 ms a MiniMax layer at batch 64). The reference layers'
-attention core is an opaque op too (``paged_kv.paged_decode_attention``: on CUDA a split-KV
+Experts: HF's routed experts are stubbed to zeros by default (``--hf-experts zeros``: attention +
+router + norms + shared expert alone), or computed by HF's own code (``compute``: its default
+``grouped_mm`` experts). The reference layers' experts are plain torch in HF's two forms
+(``--ref-experts grouped``: ``grouped_mm``, the default; ``compute``: ``batched_mm``, which gathers
+every token's experts' weights) or stubbed (``zeros``). Computed experts are ordinary model code:
+eager and stock Inductor run them as written, our backend fuses them (the moe_experts stage).
+The reference layers' attention core is an opaque op too (``paged_kv.paged_decode_attention``: on CUDA a split-KV
 Triton kernel reading the paged cache through the slot table, ``kernels/paged_decode_attention.py``;
 on CPU the kv rows gathered once, then SDPA), as a serving engine's attention backend is.
 
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--hf-experts", default="zeros", choices=("compute", "zeros"), help="HF's own experts code, or zeros")
     parser.add_argument("--ref-experts", default="grouped", choices=moe.EXPERTS_MODES,
-                        help="grouped: each chosen expert read once (torch._grouped_mm); compute: gathered per token")
+                        help="grouped: HF's grouped_mm form; compute: HF's batched_mm form (weights gathered per pair)")
     parser.add_argument("--no-pinned", action="store_true", help="skip vs_eager_pinned (DeepSeek's selection pinned)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny widths, context 32: correctness and reports only")
     args = parser.parse_args(argv)

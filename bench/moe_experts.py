@@ -62,6 +62,9 @@ from fusion_compiler.ops.moe_experts import SMALL_BATCH_MAX_TOKENS, moe_experts_
 
 TOKENS = (1, 8, 64, 256)
 MODES = ("ours", "stock_inductor", "grouped_mm", "eager")
+# Each kernel path of ours at every token count (CUDA only): where the op's dispatch
+# (ops/moe_experts.SMALL_BATCH_MAX_TOKENS) should switch from the one to the other.
+KERNEL_PATHS = ("ours_small_batch", "ours_grouped")
 ROTATIONS = 4
 OURS_TOLERANCE = 1e-2
 BARS = {1: 70.0, 64: 60.0}  # tokens -> % of the copy bandwidth ours must reach
@@ -184,6 +187,18 @@ def mode_fns(experts: torch.nn.Module, compiled) -> dict:
     }  # fmt: skip
 
 
+def kernel_path_fns(experts: torch.nn.Module) -> dict:
+    """Ours' two kernel paths called directly, whatever the op's dispatch would pick."""
+    from fusion_compiler.kernels.moe_experts import small_batch_experts
+    from fusion_compiler.kernels.moe_experts_grouped import grouped_experts
+
+    def path(kernel):
+        return lambda hidden, top_k_ids, top_k_weights: kernel(hidden, top_k_ids, top_k_weights, experts.gate_up_proj,
+                                                              experts.down_proj)  # fmt: skip
+
+    return {"ours_small_batch": path(small_batch_experts), "ours_grouped": path(grouped_experts)}
+
+
 def run_row(name: str, experts: torch.nn.Module, compiled, tokens: int, args, env: dict) -> dict:
     spec, device, began = SPECS[name], args.device, time.monotonic()
     top_k = experts.config.num_experts_per_tok
@@ -198,9 +213,9 @@ def run_row(name: str, experts: torch.nn.Module, compiled, tokens: int, args, en
         "intermediate": inter, "scoring": spec.scoring, "weights_dtype": str(spec.weights_dtype),
         "distinct_experts": statistics.mean(distinct), "distinct_experts_per_set": distinct,
         "touched_bytes": touched, "touched_bytes_per_set": [d * per_expert for d in distinct],
-        "modes": {mode: {} for mode in MODES}, "failures": [],
+        "modes": {mode: {} for mode in MODES + (KERNEL_PATHS if device == "cuda" else ())}, "failures": [],
     }  # fmt: skip
-    fns = mode_fns(experts, compiled)
+    fns = mode_fns(experts, compiled) | (kernel_path_fns(experts) if device == "cuda" else {})
     row["modes"]["ours"]["path"] = "small_batch" if tokens <= SMALL_BATCH_MAX_TOKENS else "grouped"
     stock_backend = "inductor" if device == "cuda" else "aot_eager (cpu --tiny: no Inductor compile)"
     row["modes"]["stock_inductor"]["backend"] = stock_backend

@@ -75,6 +75,10 @@ class FusionConfig:
     dsa_topk_mask: DeepSeek V3.2's DSA indexer scores, top-k and the scatter of its indices into
         the attention mask become one op (patterns/dsa_topk_mask.py: a score kernel and a radix
         select, no sort).
+    moe_experts: a MoE layer's routed experts as HF writes them (``grouped_mm`` or
+        ``batched_mm``), from the routing's (weights, ids) to the weighted combine, become one op
+        (patterns/moe_experts.py): on CUDA, GEMV-style kernels up to 16 tokens, above them a
+        grouped kernel that reads each touched expert once.
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.
     cudagraph_buckets: the batch sizes captured; a batch runs in the smallest bucket that holds
@@ -94,6 +98,7 @@ class FusionConfig:
     skinny_gemm: bool = True
     decode_attention: bool = True
     dsa_topk_mask: bool = True
+    moe_experts: bool = True
     cudagraphs: bool = True
     cudagraph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     cudagraph_slot_inputs: tuple[str, ...] = DEFAULT_SLOT_INPUTS

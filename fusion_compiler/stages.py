@@ -84,6 +84,8 @@ STAGES: tuple[Stage, ...] = (
     # Rewrites keyed on the graph alone, outside the families' pattern registry.
     Stage("dsa_topk_mask", GRAPH_PASS, "patterns.dsa_topk_mask", ("dsa_topk_mask",), flag="dsa_topk_mask"),
     Stage("decode_attention", GRAPH_PASS, "patterns.decode_attention", ("decode_attention",), flag="decode_attention"),
+    # After moe_routing: the experts take the routing op's (weights, ids).
+    Stage("moe_experts", GRAPH_PASS, "patterns.moe_experts", ("moe_experts", "moe_experts_grouped"), flag="moe_experts"),
     # Last: GEMMs that no family took. skinny_gemm: a lone projection's small-M path.
     Stage("merge_projections", FOLD, "patterns.merge_projections", ("skinny_gemm",),
           flag="merge_projections", options=("skinny_gemm",)),

@@ -21,7 +21,7 @@ TIERS = {  # name -> (marker expression, the command that runs it)
     "gpu": ("gpu", "make gpu-test, on the H200"),
     "vllm": ("vllm", "make test-vllm"),
 }
-ORDER = ["add_rms_norm", "gated_rms_norm", "mla_prologue", "gqa_prologue", "gdn", "moe_routing", "dsa_topk_mask",
+ORDER = ["add_rms_norm", "gated_rms_norm", "mla_prologue", "gqa_prologue", "gdn", "moe_routing", "moe_experts", "dsa_topk_mask",
          "decode_attention", "merge_projections", "skinny GEMM", "cudagraph", "backend/routes", "inspect", "vllm",
          "model adapters", "kernel helpers", "bench scripts", "other"]  # fmt: skip
 # First match wins: a file path (relative to tests/) -> its family.
@@ -32,6 +32,7 @@ FAMILIES = [
     (r"gqa_prologue", "gqa_prologue"),
     (r"gdn|qwen35_gdn", "gdn"),
     (r"moe_rout", "moe_routing"),
+    (r"moe_experts", "moe_experts"),
     (r"dsa_topk_mask", "dsa_topk_mask"),
     (r"decode_attention", "decode_attention"),
     (r"merge_projections|merged_linear", "merge_projections"),

@@ -21,6 +21,7 @@ from .base import (
     rms_norm_modules,
     repeated_layer_types,
     rms_norm_sites,
+    experts_sites,
     router_sites,
     structural_sites,
 )

@@ -204,7 +204,7 @@ class ModelAdapter:
         Derived from the module tree and the norms that really run (forward hooks)."""
         norms = rms_norm_sites(model, batch=batch, context=context)
         if self.expected_fn is None:
-            return {"add_rms_norm": norms, "moe_routing": router_sites(model)}
+            return {"add_rms_norm": norms, "moe_routing": router_sites(model), "moe_experts": experts_sites(model)}
         return self.expected_fn(model, norms)
 
     # ---- model ------------------------------------------------------------------------------
@@ -479,6 +479,25 @@ def router_sites(model: torch.nn.Module) -> dict[str, int]:
     return {name: 1 for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")}
 
 
+# HF experts implementations whose decode graph holds a whole experts site (patterns/moe_experts.py);
+# "eager" loops over the experts hit with `nonzero` and breaks the graph at each.
+FUSED_EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
+def experts_sites(model: torch.nn.Module) -> dict[str, int]:
+    """HF's gated routed experts (``*Experts`` with 3-D ``gate_up_proj`` and ``down_proj``) run
+    by ``grouped_mm`` or ``batched_mm``: one moe_experts site each per decode step."""
+    sites = {}
+    for name, m in model.named_modules():
+        weights = [getattr(m, a, None) for a in ("gate_up_proj", "down_proj")]
+        if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+            continue
+        implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        if implementation in FUSED_EXPERTS_IMPLEMENTATIONS and not getattr(m, "is_transposed", False):
+            sites[name] = 1
+    return sites
+
+
 def gdn_sites(model: torch.nn.Module) -> dict[str, int]:
     """Gated DeltaNet layers (HF's ``*GatedDeltaNet``: a ``conv1d``, ``A_log``, ``dt_bias`` and the
     gated output ``norm``, whatever their projections are called): one gdn site each per decode
@@ -523,7 +542,7 @@ def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str,
     if _partial_rotary(model.config):
         sites = qk_norm_attention_sites(model, norms)
     else:
-        sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model)}
+        sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model), "moe_experts": experts_sites(model)}
     # Each bigger site takes a norm of its module: kv_a_layernorm into the kv site, the gated
     # norm into the GDN site.
     for family, found, norm in (("mla_prologue", mla_sites(model), "kv_a_layernorm"), ("gdn", gdn_sites(model), "norm")):
@@ -551,6 +570,7 @@ def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> di
         "gqa_prologue": attention,
         "add_rms_norm": _without(norms, taken),
         "moe_routing": router_sites(model),
+        "moe_experts": experts_sites(model),
     }
 
 

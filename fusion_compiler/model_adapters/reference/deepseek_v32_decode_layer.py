@@ -50,7 +50,7 @@ TINY = dataclasses.replace(
 class DecoderLayer(ref.DecoderLayer):
     """The reference attention half, then residual add + post-attention norm and the MoE."""
 
-    def __init__(self, cfg: Config, experts: str = "compute"):
+    def __init__(self, cfg: Config, experts: str = "grouped"):
         super().__init__(cfg.attention)
         self.post_attention_layernorm = ref.RMSNorm(cfg.attention.hidden_size, cfg.attention.rms_norm_eps)
         self.mlp = moe.SparseMoeBlock(cfg.moe, moe.GroupedTopkRouter(cfg.moe), experts)
@@ -61,7 +61,7 @@ class DecoderLayer(ref.DecoderLayer):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
-def build(cfg: Config, num_layers: int, *, experts: str = "compute", device="cpu", dtype: torch.dtype = torch.bfloat16,
+def build(cfg: Config, num_layers: int, *, experts: str = "grouped", device="cpu", dtype: torch.dtype = torch.bfloat16,
           seed: int = 0) -> ref.ReferenceModel:  # fmt: skip
     """``num_layers`` decoder layers with seeded random weights (``moe.build``). ``experts``:
     "compute" (the routed experts run) or "zeros" (stubbed, no expert weights). Activations are

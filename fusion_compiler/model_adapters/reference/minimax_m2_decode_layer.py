@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         return ref.rms_norm(x, self.weight, self.eps)
 
 
-def decoder_layer(cfg: Config, experts: str = "compute") -> moe.MoEDecoderLayer:
+def decoder_layer(cfg: Config, experts: str = "grouped") -> moe.MoEDecoderLayer:
     attention = cfg.attention
     return moe.MoEDecoderLayer(
         RMSNorm(attention.hidden_size, attention.rms_norm_eps),
@@ -60,7 +60,7 @@ def decoder_layer(cfg: Config, experts: str = "compute") -> moe.MoEDecoderLayer:
     )
 
 
-def build(cfg: Config, num_layers: int, *, experts: str = "compute", device="cpu", dtype: torch.dtype = torch.bfloat16,
+def build(cfg: Config, num_layers: int, *, experts: str = "grouped", device="cpu", dtype: torch.dtype = torch.bfloat16,
           seed: int = 0) -> paged_kv.DecodeStack:  # fmt: skip
     """``num_layers`` decoder layers with seeded random weights (``moe.build``). ``experts``:
     "compute" (the routed experts run) or "zeros" (stubbed, no expert weights)."""

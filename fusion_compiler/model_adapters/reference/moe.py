@@ -10,12 +10,10 @@ backend; the comparison must show what fusion changes and nothing else. So:
   scored by their two best experts, renormalised with ``+ 1e-20``, times
   ``routed_scaling_factor``), MiniMax's sigmoid + bias, Qwen's softmax, each top-k renormalised.
   They return (weights, ids) and not HF's logits, which the MoE blocks drop anyway.
-* **The routed experts** run inside one opaque custom op, ``fusion_compiler_ref::routed_experts``:
-  neither Dynamo nor Inductor can see into it, so eager and every compiled mode launch the same
-  kernels for them. Its body gathers the top-k experts' weights by id and runs the SiLU-gated
-  MLP as batched GEMMs (no host sync, so a CUDA graph captures it). The gather copies
-  ``tokens * top_k`` experts' weights every step (``gathered_bytes``): correct, graph-safe and
-  the same in every mode, not fast. ``experts="zeros"`` swaps in
+* **The routed experts** are plain torch in HF's two graph-friendly forms (``grouped_mm_experts``,
+  ``batched_mm_experts``): stock Inductor runs exactly that code, and our backend meets it as
+  ordinary model code (the ``moe_experts`` stage). ``batched_mm`` copies ``tokens * top_k``
+  experts' weights every step (``gathered_bytes``). ``experts="zeros"`` swaps in
   ``fusion_compiler_ref::routed_experts_zeros``, which returns zeros (see ``ZeroExperts``).
 * **The shared expert** is a dense SwiGLU MLP of ``nn.Linear`` layers (DeepSeek: one,
   ``moe_intermediate_size`` wide; Qwen3.5: ``shared_expert_intermediate_size``, scaled by
@@ -36,11 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# compute: every chosen expert's weights gathered per token ([T, k, 2I, H] copied, then read);
-# grouped: tokens sorted by expert and one grouped GEMM per projection, each chosen expert read
-# once (``torch._grouped_mm``; on CUDA at <= SMALL_BATCH_MAX_PAIRS (token, k) pairs, Triton GEMV
-# kernels instead, kernels/routed_experts.py); zeros: the experts stubbed out. Identical in
-# every mode.
+# grouped: HF's ``grouped_mm`` experts (pairs sorted by expert, one grouped GEMM per
+# projection); compute: HF's ``batched_mm`` experts (every pair's expert weights gathered, then
+# bmm); zeros: the experts stubbed out (identical in every mode). The first two are plain torch:
+# stock Inductor runs them as written, and our backend's moe_experts stage fuses them.
 EXPERTS_MODES = ("compute", "grouped", "zeros")
 
 # Random-init scales: norm weights (and Gemma offsets, biases) move 0.1 away from their init, so
@@ -61,7 +58,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
 
     def gathered_bytes(self, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of expert weights ``routed_experts`` gathers (copies) in one step of ``tokens``."""
+        """Bytes of expert weights ``batched_mm_experts`` gathers (copies) in one step of ``tokens``."""
         return tokens * self.top_k * 3 * self.intermediate_size * self.hidden_size * dtype.itemsize
 
 
@@ -150,7 +147,7 @@ ROUTERS = (GroupedTopkRouter, SigmoidTopkRouter, SoftmaxTopkRouter)
 
 
 # ------------------------------------------------------------------------------------------
-# Routed experts: one opaque op, the same kernels in every mode
+# Routed experts: plain torch in HF's two graph-friendly forms
 # ------------------------------------------------------------------------------------------
 
 
@@ -162,83 +159,40 @@ def _check_routing(hidden: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights:
         )
 
 
-@torch.library.custom_op("fusion_compiler_ref::routed_experts", mutates_args=())
-def routed_experts(
-    hidden: torch.Tensor,
-    top_k_ids: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    grouped: bool = False,
-) -> torch.Tensor:
-    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]: hidden [T, H],
-    ids / weights [T, k], gate_up_proj [E, 2I, H] (HF's layout: gate rows, then up rows),
-    down_proj [E, H, I]. GEMMs in the activation dtype; the weighted sum over k in fp32.
-    ``grouped``: each chosen expert's weights read once (``_grouped_experts``), not gathered per
-    token; on CUDA at <= ``SMALL_BATCH_MAX_PAIRS`` (token, k) pairs, by the small-batch Triton
-    kernels instead (``kernels/routed_experts.py``: each pair's expert read once, no sort)."""
+def grouped_mm_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k], the way HF's
+    ``grouped_mm`` experts compute it: the (token, k) pairs sorted by expert, per-expert offsets
+    counted on the device (no host sync), one grouped GEMM per projection over the weights'
+    transposed views, the outputs scaled by the routing weights, put back in pair order and
+    summed over k. hidden [T, H]; ids / weights [T, k]; gate_up_proj [E, 2I, H] (gate rows,
+    then up rows); down_proj [E, H, I]."""
     _check_routing(hidden, top_k_ids, top_k_weights)
-    if grouped:
-        small_batch = _small_batch_kernel(hidden, top_k_ids, gate_up_proj, down_proj)
-        if small_batch is not None:
-            return small_batch(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj)
-        return _grouped_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj)
-    gate, up = torch.einsum("th,tkoh->tko", hidden, gate_up_proj[top_k_ids]).chunk(2, dim=-1)
-    out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down_proj[top_k_ids])
-    return torch.einsum("tkh,tk->th", out.float(), top_k_weights.float()).to(hidden.dtype)
+    from transformers.integrations.moe import _grouped_mm  # torch's grouped GEMM, or HF's op for it
 
-
-# The grouped path's small-batch alternative (kernels/routed_experts.py: GEMV-style Triton
-# kernels, each (token, k) pair's expert read once, no sort) up to this many (token, k) pairs.
-# At 1 token the grouped path's sort / index / scan kernels and cutlass grouped GEMMs cost ~2x
-# the weight-read floor (H200, MiniMax: ~110 us for 226 MB, floor ~54 us). The small-batch
-# kernels read one expert per pair, so a repeated expert is read again (from L2 if lucky): at
-# 128 pairs of 256 experts ~20% are repeats, and by 64 tokens most experts are hit and the
-# grouped GEMM reads each once at its floor. H200 (bench/diagnostics/experts_check.py, µs
-# small-batch vs grouped): MiniMax 59.8 vs 156.9 at 1 token, 782 vs 1093 at 16 (128 pairs);
-# Qwen3.5 66.0 vs 170.3 at 1, 871 vs 1330 at 16 (160 pairs); DeepSeek 181 vs 351 at 1, 2408 vs
-# 3128 at 16. So up to 16 tokens of every model; past that not measured (the grouped path
-# stays).
-SMALL_BATCH_MAX_PAIRS = 160
-
-
-def _small_batch_kernel(hidden, top_k_ids, gate_up_proj, down_proj) -> Callable | None:
-    """``small_batch_experts`` of ``kernels/routed_experts.py`` when it applies (CUDA tensors,
-    triton importable, tokens * top_k <= SMALL_BATCH_MAX_PAIRS, layouts it takes), else None. On
-    CPU always None: the CPU tier keeps the torch paths."""
-    if hidden.device.type != "cuda" or top_k_ids.numel() > SMALL_BATCH_MAX_PAIRS:
-        return None
-    try:
-        from ...kernels import routed_experts as kernel
-    except ImportError:  # no triton
-        return None
-    if not kernel.supports(hidden, top_k_ids, gate_up_proj, down_proj):
-        return None
-    return kernel.small_batch_experts
-
-
-def _grouped_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
-    """The (token, k) rows sorted by expert, then ``torch._grouped_mm`` per projection over the
-    weights' transposed views (HF's grouped-mm layout). Offsets come from a count on the device
-    (``index_add_``, not ``bincount``): no host sync, so a CUDA graph can capture it."""
     tokens, top_k = top_k_ids.shape
-    flat = top_k_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    rows = order // top_k  # the token of each sorted (token, k) row
-    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.int32, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(hidden[rows], gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
-    weighted = out.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
-    total = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return total.index_add_(0, rows, weighted).to(hidden.dtype)
+    experts = gate_up_proj.shape[0]
+    sorted_ids, order = torch.sort(top_k_ids.reshape(-1))
+    counted = sorted_ids.float() if hidden.device.type == "cpu" else sorted_ids.int()  # histc's input types
+    offsets = torch.cumsum(torch.histc(counted, bins=experts, min=0, max=experts - 1), dim=0, dtype=torch.int32)
+    gate, up = _grouped_mm(hidden[order // top_k], gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    out = _grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return out[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
-@routed_experts.register_fake
-def _(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, grouped=False):
+def batched_mm_experts(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """The same sum the way HF's ``batched_mm`` experts compute it: each token repeated k times,
+    every pair's expert weights gathered (``W[ids]``, a copy of ``tokens * top_k`` experts) and
+    one ``bmm`` per projection, scaled by the routing weights and summed over k."""
     _check_routing(hidden, top_k_ids, top_k_weights)
-    return torch.empty_like(hidden)
+    tokens, top_k = top_k_ids.shape
+    ids = top_k_ids.reshape(-1).clamp(0, gate_up_proj.shape[0] - 1)
+    x = hidden.repeat_interleave(top_k, dim=0)
+    gate, up = torch.bmm(gate_up_proj[ids], x.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    out = torch.bmm(down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return (out * top_k_weights.reshape(-1, 1)).view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
 # The stub's zeros must still consume the router's outputs. Zeros made in model code
@@ -249,7 +203,7 @@ def _(hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, grouped=False):
 # own kernels are gone (one memset is left).
 @torch.library.custom_op("fusion_compiler_ref::routed_experts_zeros", mutates_args=())
 def routed_experts_zeros(hidden: torch.Tensor, top_k_ids: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Zeros like ``hidden``: the routed experts stubbed out (inputs as ``routed_experts``)."""
+    """Zeros like ``hidden``: the routed experts stubbed out (inputs as ``grouped_mm_experts``)."""
     _check_routing(hidden, top_k_ids, top_k_weights)
     return torch.zeros_like(hidden)
 
@@ -261,17 +215,18 @@ def _(hidden, top_k_ids, top_k_weights):
 
 
 class RoutedExperts(nn.Module):
-    """All experts' weights as 3-D tensors (HF's ``*Experts`` layout), run by ``routed_experts``."""
+    """All experts' weights as 3-D tensors (HF's ``*Experts`` layout), run as HF's ``grouped_mm``
+    experts (``grouped``) or its ``batched_mm`` ones."""
 
-    def __init__(self, cfg: MoEConfig, grouped: bool = False):
+    def __init__(self, cfg: MoEConfig, grouped: bool = True):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size))
         self.grouped = grouped
 
     def forward(self, hidden, top_k_ids, top_k_weights):
-        return torch.ops.fusion_compiler_ref.routed_experts(hidden, top_k_ids, top_k_weights, self.gate_up_proj,
-                                                            self.down_proj, self.grouped)  # fmt: skip
+        run = grouped_mm_experts if self.grouped else batched_mm_experts
+        return run(hidden, top_k_ids, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 class ZeroExperts(nn.Module):
@@ -305,7 +260,7 @@ class SparseMoeBlock(nn.Module):
     scaled by ``sigmoid(shared_expert_gate(x))``, as HF's ``Qwen3_5MoeSparseMoeBlock``).
     x [T, hidden] -> [T, hidden]."""
 
-    def __init__(self, cfg: MoEConfig, router: nn.Module, experts: str = "compute"):
+    def __init__(self, cfg: MoEConfig, router: nn.Module, experts: str = "grouped"):
         super().__init__()
         if experts not in EXPERTS_MODES:
             raise ValueError(f"experts must be one of {EXPERTS_MODES}, got {experts!r}")
@@ -354,13 +309,16 @@ class MoEDecoderLayer(nn.Module):
 def expected_sites(model: nn.Module, attention_sites: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """``attention_sites`` (family -> {module path: sites per step}) plus what every MoE decoder
     layer fuses once per step: its input and post-attention norms, each with the residual add
-    before it (add_rms_norm), and its router (moe_routing)."""
+    before it (add_rms_norm), its router (moe_routing) and its routed experts (moe_experts, where
+    they are computed, not stubbed)."""
     sites = {family: dict(modules) for family, modules in attention_sites.items()}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("input_layernorm", "post_attention_layernorm"):
             sites.setdefault("add_rms_norm", {})[name] = 1
         elif isinstance(module, ROUTERS):
             sites.setdefault("moe_routing", {})[name] = 1
+        elif isinstance(module, RoutedExperts):
+            sites.setdefault("moe_experts", {})[name] = 1
     return sites
 
 

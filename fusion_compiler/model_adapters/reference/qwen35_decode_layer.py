@@ -65,7 +65,7 @@ class GemmaRMSNorm(nn.Module):
         return ref.gemma_rms_norm(x, self.weight, self.eps)
 
 
-def decoder_layer(cfg: Config, kind: str, experts: str = "compute") -> moe.MoEDecoderLayer:
+def decoder_layer(cfg: Config, kind: str, experts: str = "grouped") -> moe.MoEDecoderLayer:
     if kind not in LAYER_KINDS:
         raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
     hidden, eps = cfg.attention.hidden_size, cfg.attention.rms_norm_eps
@@ -81,7 +81,7 @@ class Stack(paged_kv.DecodeStack):
     """Layers of ``layer_kinds``: full-attention layers take the paged K/V caches in order, linear
     ones the GDN (conv, recurrent) states, all of them slot ``state_slots[t]`` for sequence t."""
 
-    def __init__(self, cfg: Config, layer_kinds: Sequence[str], experts: str = "compute"):
+    def __init__(self, cfg: Config, layer_kinds: Sequence[str], experts: str = "grouped"):
         super().__init__(cfg.attention, [decoder_layer(cfg, kind, experts) for kind in layer_kinds])
         self.layer_kinds = tuple(layer_kinds)
         self.linear_attention = cfg.linear_attention
@@ -100,7 +100,7 @@ class Stack(paged_kv.DecodeStack):
         return hidden + residual
 
 
-def build(cfg: Config, layer_kinds: Sequence[str], *, experts: str = "compute", device="cpu",
+def build(cfg: Config, layer_kinds: Sequence[str], *, experts: str = "grouped", device="cpu",
           dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Stack:  # fmt: skip
     """A stack of ``layer_kinds`` (e.g. ["linear_attention", "full_attention"]) with seeded random
     weights (``moe.build``). ``experts``: "compute" (the routed experts run) or "zeros" (stubbed,

@@ -27,12 +27,11 @@ from fusion_compiler.verify import relative_error
 
 LINEAR, FULL = qwen.LAYER_KINDS
 MODELS = {"deepseek": deepseek, "minimax": minimax, "qwen": qwen}
-EXPERTS_OP = torch.ops.fusion_compiler_ref.routed_experts.default
 ATTENTION_OP = torch.ops.fusion_compiler_ref.paged_decode_attention.default
 ZEROS_OP = torch.ops.fusion_compiler_ref.routed_experts_zeros.default
 
 
-def _build(name: str, layers, experts: str = "compute", seed: int = 0):
+def _build(name: str, layers, experts: str = "grouped", seed: int = 0):
     """layers: a layer count, or Qwen3.5's list of layer kinds."""
     return MODELS[name].build(MODELS[name].TINY, layers, experts=experts, seed=seed)
 
@@ -94,9 +93,9 @@ def _experts_loop(hidden, ids, weights, gate_up_proj, down_proj):
     return out
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("form", [moe.grouped_mm_experts, moe.batched_mm_experts])
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])  # sigmoid routers' / softmax's
-def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype, grouped):
+def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype, form):
     gen = torch.Generator().manual_seed(0)
     tokens, hidden_size, experts, top_k, inter = 3, 64, 6, 2, 32
     hidden = torch.randn(tokens, hidden_size, generator=gen).bfloat16()
@@ -104,11 +103,11 @@ def test_routed_experts_equal_a_loop_over_tokens_and_experts(weights_dtype, grou
     weights = torch.rand(tokens, top_k, generator=gen).to(weights_dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=gen) * hidden_size**-0.5).bfloat16()
     down = (torch.randn(experts, hidden_size, inter, generator=gen) * inter**-0.5).bfloat16()
-    out = torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights, gate_up, down, grouped)
+    out = form(hidden, ids, weights, gate_up, down)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, _experts_loop(hidden, ids, weights, gate_up, down)) < 1e-2
     with pytest.raises(ValueError, match="both \\[T, top_k\\]"):
-        torch.ops.fusion_compiler_ref.routed_experts(hidden, ids, weights[:, :1], gate_up, down, grouped)
+        form(hidden, ids, weights[:, :1], gate_up, down)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, paged_kv.FP8])
@@ -139,11 +138,9 @@ def test_zero_experts_return_zeros_and_hold_no_weights():
     assert out.dtype == x.dtype and torch.equal(out, torch.zeros_like(x))
 
 
-@pytest.mark.parametrize("experts, op", [("compute", EXPERTS_OP), ("zeros", ZEROS_OP)])
-def test_experts_stay_one_opaque_node_per_layer(experts, op):
+def test_stubbed_experts_stay_one_opaque_node_per_layer():
     """The graph Inductor lowers (Dynamo's, after AOT with Inductor's decompositions) calls the
-    experts op and the attention op once per layer and has no batched GEMM of its own: every mode
-    runs those ops' own kernels."""
+    zeros stub and the attention op once per layer and has no expert GEMM of its own."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
@@ -153,17 +150,18 @@ def test_experts_stay_one_opaque_node_per_layer(experts, op):
         graphs.append(gm)
         return gm.forward
 
-    model = _build("minimax", 2, experts)
+    model = _build("minimax", 2, "zeros")
     step = minimax.make_step(model)
     backend = aot_autograd(fw_compiler=capture, decompositions=select_decomp_table())
     with torch.no_grad():
         torch.compile(model, backend=backend)(**step.kwargs)
     [graph] = graphs
-    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target in (EXPERTS_OP, ZEROS_OP)]
-    assert [n.target for n in calls] == [op, op]
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is ZEROS_OP]
+    assert len(calls) == 2
     attention = [n for n in graph.graph.nodes if n.target is ATTENTION_OP]
     assert len(attention) == 2
-    assert not [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    gemms = (torch.ops.aten.bmm.default, torch.ops.aten._grouped_mm.default)
+    assert not [n for n in graph.graph.nodes if n.target in gemms]
 
 
 # ------------------------------------------------------------------------------------------
@@ -212,8 +210,11 @@ def test_compiled_step_matches_eager(fused_run):
 
 
 def test_compiled_code_calls_the_experts_op_once_per_layer(fused_run):
-    calls = fused_run["code"].count("torch.ops.fusion_compiler_ref.routed_experts.default(")
+    """The plain-torch grouped_mm experts became our moe_experts op, one call per layer, and no
+    grouped GEMM of the original chain is left."""
+    calls = fused_run["code"].count("torch.ops.fusion_compiler.moe_experts.default(")
     assert calls == len(fused_run["model"].layers)
+    assert "_grouped_mm" not in fused_run["code"]
 
 
 def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
@@ -271,5 +272,5 @@ def test_real_layer_weight_bytes(name, layers, layer_bytes, experts_bytes):
     assert moe.weight_bytes(layer.mlp.experts) == experts_bytes
     stub = module.build(module.REAL, layers, experts="zeros", device="meta").layers[0]
     assert moe.weight_bytes(stub) == layer_bytes - experts_bytes
-    # What routed_experts copies per decoded token: top_k experts' three matrices, bf16.
+    # What batched_mm_experts copies per decoded token: top_k experts' three matrices, bf16.
     assert module.REAL.moe.gathered_bytes(1) == experts_bytes // layer.mlp.gate.weight.shape[0] * module.REAL.moe.top_k
