@@ -77,7 +77,7 @@ class FusionConfig:
         select, no sort).
     moe_experts: a MoE layer's routed experts as HF writes them (``grouped_mm`` or
         ``batched_mm``), from the routing's (weights, ids) to the weighted combine, become one op
-        (patterns/moe_experts.py): on CUDA, GEMV-style kernels up to 16 tokens, above them a
+        (patterns/moe_experts.py): on CUDA, GEMV-style kernels up to 8 tokens, above them a
         grouped kernel that reads each touched expert once.
     cudagraphs: replay each graph compiled for CUDA inputs from one CUDA graph per batch
         bucket (cudagraph.py); no effect on CPU.

@@ -38,9 +38,12 @@ from ._checks import require_dtype, require_last_dim_contiguous, require_same_de
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _IDS = (torch.int64, torch.int32)
 
-# The small-batch kernels up to this many tokens, the grouped kernels above (H200 sweep:
-# bench/moe_experts.py, bench/BENCHMARKS.md).
-SMALL_BATCH_MAX_TOKENS = 16
+# The small-batch kernels up to this many tokens, the grouped kernels above. H200, each path
+# timed at every token count (results/moe_experts_h200_b5696dd.json, µs small / grouped): at 8
+# tokens the small-batch kernels are faster for all three models (DeepSeek 1166 / 1197, MiniMax
+# 381 / 387, Qwen3.5 449 / 485), at 16 the grouped ones for two (2045 / 2169, 696 / 716; Qwen3.5
+# 856 / 842); 9-15 not measured.
+SMALL_BATCH_MAX_TOKENS = 8
 
 _SCHEMA = "(Tensor hidden, Tensor top_k_ids, Tensor top_k_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor"
 
