@@ -138,6 +138,7 @@ def test_hf_qwen3_next_fuses_from_its_config_file_alone(tmp_path):
     assert report.misses() == [] and report.missing_expected() == [], report.format()
     assert report.per_layer(FAMILY) == {0: 1, 1: 1, 2: 1} and report.per_variant()["hf_next"] == 3
     assert report.per_layer("gqa_prologue") == {3: 1}
+    assert expected["moe_experts"] and report.per_module("moe_experts") == expected["moe_experts"]
     assert backend.compiles == 1
 
 

@@ -151,6 +151,7 @@ def test_hf_deepseek_v3_fuses_from_its_config_file_alone(tmp_path):
     report = backend.report
     assert report.misses() == [] and report.missing_expected() == [], report.format()
     assert report.per_layer(FAMILY) == {0: 2, 1: 2} and report.per_layer("moe_routing") == {0: 1, 1: 1}
+    assert report.per_module("moe_experts") == expected["moe_experts"] == {f"model.layers.{i}.mlp.experts": 1 for i in (0, 1)}
     assert relative_error(fused, eager) < 2e-2
 
 
