@@ -19,7 +19,7 @@ HF's ``eager`` experts (a Python loop over the experts hit, with ``nonzero``) br
 every expert, so no graph holds a whole site: not fused, and not reported as a site.
 
 A site is the first expert GEMM of a chain (``_grouped_mm`` with a 3-D weight, or ``bmm`` of
-gathered 3-D weights); every site fuses or is a miss with the reason, one sentence about the
+gathered 3-D weights; a chain's GEMMs share their group offsets or their ids); every site fuses or is a miss with the reason, one sentence about the
 model's code. The op takes the routing's ids and weights as the model computed them (after
 ``moe_routing`` fused them, its op's outputs), the hidden states [T, H] and the two 3-D weights.
 """
@@ -103,35 +103,26 @@ def is_expert_gemm(node) -> bool:
     return False
 
 
-def _gemm_input(gemm: torch.fx.Node) -> torch.fx.Node:
-    """The activations an expert GEMM multiplies (``bmm``'s columns unsqueezed back)."""
+def _chain_key(gemm: torch.fx.Node):
+    """What ties a layer's expert GEMMs together: the group offsets both grouped GEMMs take, or
+    the ids both gathers use (batched_mm)."""
     if _is(gemm, aten.bmm.default):
-        return _strip(gemm.args[1], (aten.unsqueeze.default,))
-    return gemm.args[0]
+        return ("ids", gemm.args[0].args[1][0])
+    return ("offsets", gemm.args[2])
 
 
-def _reads_expert_gemm(node: torch.fx.Node, depth: int = 5) -> bool:
-    """Whether an expert GEMM is within ``depth`` steps upstream of ``node``: a down GEMM's
-    input is SiLU(gate) * up, 4-5 steps from the gate/up GEMM; a gate/up GEMM's input is the
-    hidden states, many steps (a norm, a residual add) from the layer before's experts."""
-    frontier, seen = [node], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            if n in seen:
-                continue
-            seen.add(n)
-            if is_expert_gemm(n):
-                return True
-            nxt.extend(n.all_input_nodes)
-        frontier = nxt
-    return False
+def site_gemms(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The first expert GEMM (gate/up) of each chain, in graph order: one per MoE layer, however
+    long the gating between the two GEMMs is."""
+    first = {}
+    for node in graph.nodes:
+        if is_expert_gemm(node):
+            first.setdefault(_chain_key(node), node)
+    return list(first.values())
 
 
 def is_site(node) -> bool:
-    """The first expert GEMM of a chain (gate/up): an expert GEMM whose input is not another
-    expert GEMM's activated output."""
-    return is_expert_gemm(node) and not _reads_expert_gemm(_gemm_input(node))
+    return is_expert_gemm(node) and node in site_gemms(node.graph)
 
 
 def _activation(gemm_out: torch.fx.Node, inter: int) -> torch.fx.Node:
@@ -299,7 +290,7 @@ def fuse_moe_experts(graph: torch.fx.Graph) -> list[Site]:
 
     op = torch.ops.fusion_compiler.moe_experts.default
     sites = []
-    for gemm in [n for n in graph.nodes if is_site(n)]:
+    for gemm in site_gemms(graph):
         site = Site(FAMILY, "missed", None, module_path(gemm), gemm.name)
         sites.append(site)
         try:
