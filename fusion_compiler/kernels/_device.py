@@ -210,23 +210,48 @@ def pow2_ceil(x):
 
 
 @triton.jit
-def fp8_group_quant(y, mask, UE8M0: tl.constexpr):
-    """FP8 quant of fp32 ``y`` [R, C], one group per row (axis 1); ``mask`` marks real lanes.
-
-    Returns (float8e4nv codes [R, C], fp32 scales [R]).  Masked lanes give 0 codes.
-    """
+def fp8_group_scale(y, mask, UE8M0: tl.constexpr):
+    """The fp32 scale [R] of each row (one group) of fp32 ``y`` [R, C] (``mask``: real lanes):
+    max(amax, 1e-4) / 448 (correctly rounded), ue8m0's power of two, NaN if the group has one."""
     a = tl.where(mask, tl.abs(y), 0.0)
     nans = tl.sum((mask & (y != y)).to(tl.int32), axis=1)
     amax = tl.maximum(tl.max(a, axis=1), FP8_AMAX_FLOOR)
     scale = tl.math.div_rn(amax, FP8_MAX)
     if UE8M0:
         scale = pow2_ceil(scale)
-    scale = tl.where(nans > 0, float("nan"), scale)
-    # IEEE division (plain ``/`` is approximate on the GPU) so the codes match x / scale.
+    return tl.where(nans > 0, float("nan"), scale)
+
+
+@triton.jit
+def fp8_codes(y, scale, mask):
+    """float8e4nv codes of fp32 ``y`` [R, C] with one scale per row (``scale`` [R]):
+    clamp(y / scale, +-448), IEEE division (plain ``/`` is approximate on the GPU) so the codes
+    match x / scale; masked lanes give 0 codes."""
     q = tl.math.div_rn(y, scale[:, None])
     q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     q = tl.where(mask, q, 0.0)
-    return to_fp8e4nv(q), scale
+    return to_fp8e4nv(q)
+
+
+@triton.jit
+def fp8_group_quant(y, mask, UE8M0: tl.constexpr):
+    """FP8 quant of fp32 ``y`` [R, C], one group per row (axis 1); ``mask`` marks real lanes.
+
+    Returns (float8e4nv codes [R, C], fp32 scales [R]).  Masked lanes give 0 codes.
+    """
+    scale = fp8_group_scale(y, mask, UE8M0)
+    return fp8_codes(y, scale, mask), scale
+
+
+@triton.jit
+def fp8e4nv_to_fp32(x):
+    """float8e4nv -> fp32, exact. Triton 3.6's interpreter decodes the NaN code 0x7F as +-480,
+    so there it is mapped to NaN explicitly."""
+    if INTERPRETER:
+        nan = (x.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        return tl.where(nan, float("nan"), x.to(tl.float32))
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit

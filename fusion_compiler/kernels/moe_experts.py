@@ -318,11 +318,17 @@ def prepare(launcher: str, hidden, top_k_ids, top_k_weights, gate_up_proj, down_
             f"gate_up_proj {tuple(gate_up_proj.shape)} {gate_up_proj.dtype} stride {gate_up_proj.stride()}, "
             f"down_proj {tuple(down_proj.shape)} {down_proj.dtype} stride {down_proj.stride()} not supported"
         )
+    return hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous(), output_like(launcher, hidden, out)
+
+
+def output_like(launcher: str, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked against hidden ([T, H], its dtype and device, unit stride along H; else
+    ValueError), or a new tensor like hidden."""
     if out is None:
-        out = torch.empty_like(hidden)
-    elif out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device:
+        return torch.empty_like(hidden)
+    if out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device:
         raise ValueError(f"{launcher}: out {tuple(out.shape)} {out.dtype} {out.device} is not like hidden "
                          f"{tuple(hidden.shape)} {hidden.dtype} {hidden.device}")  # fmt: skip
-    elif out.shape[1] > 1 and out.stride(1) != 1:
+    if out.shape[1] > 1 and out.stride(1) != 1:
         raise ValueError(f"{launcher}: out's rows must have unit stride, got strides {out.stride()}")
-    return hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous(), out
+    return out

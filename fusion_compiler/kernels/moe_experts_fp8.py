@@ -1,0 +1,293 @@
+"""``fusion_compiler::moe_experts_fp8``'s small-batch kernels: kernels/moe_experts.py's two
+GEMV-style launches with FP8 e4m3 expert weights in DeepSeek's block-scaled format (one fp32
+scale per 128 x 128 block) and FP8 activations (one fp32 scale per 1 x 128 group). The op's
+semantics, quantisation and rounding points: ``ops/moe_experts_fp8.moe_experts_fp8_reference``.
+
+For pair p = (t, k), e = ids[t, k], x = hidden[t]:
+
+    kernel 1, grid (pair, I block):  each step along H quantises the x groups it covers (on the
+                                     fly, per program: x is a few KB, the weights MBs), then
+                                     gate / up += sum_kb (sum_k xq wq) * sx[kb] * sw[n // 128, kb]
+                                     act = silu(gate) * up (kernels/moe_experts.silu_mul_rounded),
+                                     quantised per 1 x 128 group -> act codes [T * k, I] e4m3
+                                     and act scales [T * k, ceil(I / 128)] fp32
+    kernel 2, grid (token, H block): out[t] = sum_k w[t, k] * FP8 GEMM(act[(t, k)], W_down[e])
+
+A program of kernel 1 covers whole 128-row groups of I (``gate_up_block_n`` a multiple of 128),
+so it quantises its act itself: no cross-program amax, no third launch. Each loop step takes
+``block_k`` columns of the reduced dim as [groups, group_k] (group_k = min(block_k, 128)), so
+``block_k`` is a multiple of 128 or divides 128: a group's scales apply to its partial sum
+(sum over the step's columns of the group, exact products of e4m3 values in fp32), and the
+scaled partial sums accumulate in fp32 per output row. Where block_k < 128 each step reads the
+whole group of x for its scale (kernel 1; from L1) and kernel 2 reads the act scale per step.
+
+Padding ids (outside [0, E)) read nothing and write nothing (kernel 1) and are skipped
+(kernel 2), so a token of only padding gets zeros. The combine is in k order, fp32, no atomics:
+deterministic. Bit-level FP8 / bf16 casts under Triton's interpreter come from ``_device``.
+
+Launch shapes (``default_config``) are not measured yet: kernel 1 follows the bf16 kernels'
+Little's-law target of ~16 KB of weights per step (2 x 128 rows x 64 e4m3), which at one token
+gives T * k * I / 128 programs (DeepSeek: 128, about one per SM of an H200, against the bf16
+kernel's >= 264); kernel 2 keeps the bf16 kernel's measured 2 warps and 1024-wide steps with 4
+rows (the same 4 KB a step as 2 bf16 rows). A GPU sweep should set both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import downcast, fp8_codes, fp8_group_quant, fp8_group_scale, fp8e4nv_to_fp32, launch_on_device
+from ._device import store_fp8_as_bytes
+from ._device import upcast as _upcast
+from .moe_experts import _TL_DTYPES, output_like, silu_mul_rounded
+
+KERNEL_VERSION = "moe_experts_fp8-1"
+
+FP8 = torch.float8_e4m3fn
+GROUP = 128  # activation groups 1 x 128, weight blocks 128 x 128
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and warps of the two kernels. ``*_block_n``: weight rows per program (I rows of
+    gate and of up for kernel 1, a multiple of 128; H rows for kernel 2, a power of two);
+    ``*_block_k``: columns of the reduced dim per loop step (H for kernel 1, I for kernel 2), a
+    power of two that is a multiple of 128 or divides it; ``warps`` and ``stages`` per kernel."""
+
+    gate_up_block_n: int = 128
+    gate_up_block_k: int = 64
+    gate_up_warps: int = 4
+    down_block_n: int = 4
+    down_block_k: int = 1024
+    down_warps: int = 2
+    gate_up_stages: int = 1
+    down_stages: int = 1
+
+
+def default_config(tokens: int, top_k: int, hidden: int, intermediate: int) -> LaunchConfig:
+    """Launch shape by problem size (unmeasured; see the module docstring): kernel 2's step no
+    wider than I's power of two."""
+    return LaunchConfig(down_block_k=min(1024, triton.next_power_of_2(max(intermediate, 1))))
+
+
+def _check_block_k(block_k: int, what: str) -> None:
+    if block_k & (block_k - 1) or not (block_k % GROUP == 0 or GROUP % block_k == 0):
+        raise ValueError(f"{what} {block_k}: a power of two that is a multiple of {GROUP} or divides it")
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _step_offsets(k0, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+    """A loop step's columns as [GROUPS, GROUP_K] offsets and its groups' indices [GROUPS]."""
+    g = tl.arange(0, GROUPS)
+    cols = k0 + g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    return cols, k0 // 128 + g
+
+
+@triton.jit
+def _x_step(x_row, k0, K: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+    """The e4m3 values (as fp32) [GROUPS, GROUP_K] and scales [GROUPS] of x's step at k0, each
+    group's scale from the whole group (its own 128 columns, loaded again where GROUP_K < 128)."""
+    whole = (k0 // 128) * 128 + tl.arange(0, GROUPS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x_whole = _upcast(tl.load(x_row + whole, mask=whole < K, other=0.0))
+    scale = fp8_group_scale(x_whole, whole < K, False)
+    if GROUP_K == 128:
+        codes = fp8_codes(x_whole, scale, whole < K)
+    else:
+        cols, _ = _step_offsets(k0, GROUPS, GROUP_K)
+        codes = fp8_codes(_upcast(tl.load(x_row + cols, mask=cols < K, other=0.0)), scale, cols < K)
+    return fp8e4nv_to_fp32(codes), scale
+
+
+@triton.jit
+def _scaled_step(acc, w_ptrs, s_ptrs, v, v_scale, cols, groups, row_ok, K: tl.constexpr, KB: tl.constexpr,
+                 EVEN: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N] += sum_g (sum_c w[:, g, c] * v[g, c]) * v_scale[g] * w_scale[:, g]: one step
+    of the block-scaled GEMV. ``w_ptrs`` [BLOCK_N, GROUPS, GROUP_K] e4m3, ``s_ptrs`` [BLOCK_N, 1]
+    each row's scale row (plus ``groups``); ``v`` [GROUPS, GROUP_K] fp32 e4m3 values."""
+    if EVEN:
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs + groups[None, :])
+    else:
+        w = tl.load(w_ptrs, mask=row_ok[:, None, None] & (cols < K)[None, :, :], other=0.0)
+        s = tl.load(s_ptrs + groups[None, :], mask=row_ok[:, None] & (groups < KB)[None, :], other=0.0)
+    partial = tl.sum(fp8e4nv_to_fp32(w) * v[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+    return acc + tl.sum(partial * s * v_scale[None, :], axis=1)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, act_scale_ptr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, KB: tl.constexpr,  # KB: scale columns, ceil(HIDDEN / 128)
+    experts, stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_ap, stride_asp,
+    TOP_K: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    block = tl.program_id(1)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)  # int64: E * 2I * HIDDEN passes 2**31 (DeepSeek)
+    if (expert >= 0) & (expert < experts):  # else padding: no weights read, nothing written
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; up rows INTER + rows
+        row_ok = rows < INTER
+        cols0, groups0 = _step_offsets(0, GROUPS, GROUP_K)
+        gate_ptrs = w_ptr + expert * stride_we + rows[:, None, None] * stride_wr + cols0[None, :, :]
+        up_ptrs = gate_ptrs + INTER * stride_wr
+        gate_s = ws_ptr + expert * stride_se + (rows // 128)[:, None] * stride_sr
+        up_s = ws_ptr + expert * stride_se + ((INTER + rows) // 128)[:, None] * stride_sr
+        x_row = x_ptr + token * stride_xt
+
+        gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, GROUPS * GROUP_K, num_stages=STAGES):
+            xq, sx = _x_step(x_row, k0, HIDDEN, GROUPS, GROUP_K)
+            cols, groups = cols0 + k0, groups0 + k0 // 128
+            gate = _scaled_step(gate, gate_ptrs + k0, gate_s, xq, sx, cols, groups, row_ok, HIDDEN, KB, EVEN)
+            up = _scaled_step(up, up_ptrs + k0, up_s, xq, sx, cols, groups, row_ok, HIDDEN, KB, EVEN)
+
+        # act (rounded like the bf16 op's) quantised by the program's own 128-row groups.
+        act = _upcast(silu_mul_rounded(gate, up, DTYPE))
+        act_groups = tl.reshape(act, (BLOCK_N // 128, 128))
+        out_rows = block * BLOCK_N + tl.arange(0, BLOCK_N // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        codes, scale = fp8_group_quant(act_groups, out_rows < INTER, False)
+        store_fp8_as_bytes(act_ptr + pair * stride_ap, out_rows, codes, out_rows < INTER)
+        scale_cols = block * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(act_scale_ptr + pair * stride_asp + scale_cols, scale, mask=scale_cols * 128 < INTER)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, act_scale_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, out_ptr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, KB: tl.constexpr,  # KB: scale columns, ceil(INTER / 128)
+    experts, stride_ap, stride_asp, stride_we, stride_wr, stride_se, stride_sr, stride_ot,
+    TOP_K: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    block = tl.program_id(1)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < HIDDEN
+    cols0, groups0 = _step_offsets(0, GROUPS, GROUP_K)
+    row_ptrs = rows[:, None, None] * stride_wr + cols0[None, :, :]
+    scale_rows = (rows // 128)[:, None] * stride_sr
+
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # unrolled: the experts' id / weight loads are independent
+        pair = token * TOP_K + k
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if (expert >= 0) & (expert < experts):  # else padding: skipped (its act row was never written)
+            weight = _upcast(tl.load(weights_ptr + pair))
+            w_ptrs = w_ptr + expert * stride_we + row_ptrs
+            s_ptrs = ws_ptr + expert * stride_se + scale_rows
+            a_row = act_ptr + pair * stride_ap
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in tl.range(0, INTER, GROUPS * GROUP_K, num_stages=STAGES):
+                cols, groups = cols0 + k0, groups0 + k0 // 128
+                if EVEN:
+                    a = tl.load(a_row + cols)
+                    sa = tl.load(act_scale_ptr + pair * stride_asp + groups)
+                else:
+                    a = tl.load(a_row + cols, mask=cols < INTER, other=0.0)
+                    sa = tl.load(act_scale_ptr + pair * stride_asp + groups, mask=groups < KB, other=0.0)
+                acc = _scaled_step(acc, w_ptrs + k0, s_ptrs, fp8e4nv_to_fp32(a), sa, cols, groups, row_ok,
+                                   INTER, KB, EVEN)  # fmt: skip
+            # The expert's GEMM output in the activation dtype, then out.float() * weight, summed in fp32.
+            total += _upcast(downcast(acc, DTYPE)) * weight
+
+    out_ptrs = out_ptr + token * stride_ot + rows
+    tl.store(out_ptrs, downcast(total, OUT_DTYPE), mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+
+
+def _groups(block_k: int) -> tuple[int, int]:
+    """(GROUPS, GROUP_K) of a loop step ``block_k`` wide."""
+    return max(block_k // GROUP, 1), min(block_k, GROUP)
+
+
+def launch_gate_up(hidden, top_k_ids, gate_up_proj, gate_up_scale, act, act_scale, config: LaunchConfig) -> None:
+    """Kernel 1: ``act`` [T * k, I] e4m3 and ``act_scale`` [T * k, ceil(I / 128)] fp32 of every
+    valid (token, k) pair. ``hidden`` and ``top_k_ids`` contiguous."""
+    tokens, top_k = top_k_ids.shape
+    hidden_size, intermediate = hidden.shape[1], gate_up_proj.shape[1] // 2
+    block_n, block_k = config.gate_up_block_n, config.gate_up_block_k
+    if block_n % GROUP:
+        raise ValueError(f"gate_up_block_n {block_n}: a multiple of {GROUP} (whole act groups a program)")
+    _check_block_k(block_k, "gate_up_block_k")
+    groups, group_k = _groups(block_k)
+    even = hidden_size % block_k == 0 and intermediate % block_n == 0
+    grid = (tokens * top_k, triton.cdiv(intermediate, block_n))
+    launch_on_device(hidden, lambda: _gate_up_kernel[grid](
+        hidden, top_k_ids, gate_up_proj, gate_up_scale, act.view(torch.uint8), act_scale,
+        hidden_size, intermediate, triton.cdiv(hidden_size, GROUP),
+        gate_up_proj.shape[0], hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), act.stride(0), act_scale.stride(0),
+        TOP_K=top_k, DTYPE=_TL_DTYPES[hidden.dtype], BLOCK_N=block_n, GROUPS=groups, GROUP_K=group_k,
+        EVEN=even, STAGES=config.gate_up_stages, num_warps=config.gate_up_warps,
+    ))  # fmt: skip
+
+
+def launch_down(act, act_scale, top_k_ids, top_k_weights, down_proj, down_scale, out, config: LaunchConfig) -> None:
+    """Kernel 2: ``out`` [T, H] = sum_k w[t, k] * FP8 GEMM(act[(t, k)], down_e). ``act``,
+    ``act_scale``, ``top_k_ids`` and ``top_k_weights`` contiguous."""
+    tokens, top_k = top_k_ids.shape
+    hidden_size, intermediate = down_proj.shape[1], down_proj.shape[2]
+    block_n, block_k = config.down_block_n, config.down_block_k
+    _check_block_k(block_k, "down_block_k")
+    groups, group_k = _groups(block_k)
+    even = intermediate % block_k == 0 and hidden_size % block_n == 0
+    grid = (tokens, triton.cdiv(hidden_size, block_n))
+    launch_on_device(out, lambda: _down_kernel[grid](
+        act, act_scale, top_k_ids, top_k_weights, down_proj, down_scale, out,
+        hidden_size, intermediate, triton.cdiv(intermediate, GROUP),
+        down_proj.shape[0], act.stride(0), act_scale.stride(0), down_proj.stride(0), down_proj.stride(1),
+        down_scale.stride(0), down_scale.stride(1), out.stride(0),
+        TOP_K=top_k, DTYPE=_TL_DTYPES[out.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK_N=block_n,
+        GROUPS=groups, GROUP_K=group_k, EVEN=even, STAGES=config.down_stages, num_warps=config.down_warps,
+    ))  # fmt: skip
+
+
+def small_batch_experts_fp8(
+    hidden: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_scale: torch.Tensor,
+    config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fusion_compiler::moe_experts_fp8`` (same arguments, the reference's result up to
+    summation order and rare FP8 rounding ties) in two launches -> [T, H] in hidden's dtype.
+    ``config``: launch shape, ``default_config`` if None. ``out``: where to write (a [T, H]
+    tensor like hidden, rows of unit stride; every element is written), a new tensor if None."""
+    from fusion_compiler.ops.moe_experts_fp8 import validate
+
+    validate(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale)
+    out = output_like("small_batch_experts_fp8", hidden, out)
+    hidden, top_k_ids, top_k_weights = hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous()
+    tokens, top_k = top_k_ids.shape
+    hidden_size, intermediate = hidden.shape[1], down_proj.shape[2]
+    if config is None:
+        config = default_config(tokens, top_k, hidden_size, intermediate)
+    if tokens == 0 or hidden_size == 0:
+        return out
+    act = torch.empty(tokens * top_k, intermediate, dtype=FP8, device=hidden.device)
+    act_scale = torch.empty(tokens * top_k, triton.cdiv(intermediate, GROUP), dtype=torch.float32,
+                            device=hidden.device)  # fmt: skip
+    if top_k and intermediate:
+        launch_gate_up(hidden, top_k_ids, gate_up_proj, gate_up_scale, act, act_scale, config)
+    launch_down(act, act_scale, top_k_ids, top_k_weights, down_proj, down_scale, out, config)
+    return out
