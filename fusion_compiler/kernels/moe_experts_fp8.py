@@ -1,7 +1,9 @@
-"""``fusion_compiler::moe_experts_fp8``'s small-batch kernels: kernels/moe_experts.py's two
-GEMV-style launches with FP8 e4m3 expert weights in DeepSeek's block-scaled format (one fp32
-scale per 128 x 128 block) and FP8 activations (one fp32 scale per 1 x 128 group). The op's
-semantics, quantisation and rounding points: ``ops/moe_experts_fp8.moe_experts_fp8_reference``.
+"""``fusion_compiler::moe_experts_fp8``'s kernels, with FP8 e4m3 expert weights in DeepSeek's
+block-scaled format (one fp32 scale per 128 x 128 block) and FP8 activations (one fp32 scale
+per 1 x 128 group): up to ``ops/moe_experts_fp8.SMALL_BATCH_MAX_TOKENS`` tokens kernels/
+moe_experts.py's two GEMV-style launches (below), above them kernels/moe_experts_grouped.py's
+grouped launches (at the end of this file). The op's semantics, quantisation and rounding
+points: ``ops/moe_experts_fp8.moe_experts_fp8_reference``.
 
 For pair p = (t, k), e = ids[t, k], x = hidden[t]:
 
@@ -40,10 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import downcast, fp8_codes, fp8_group_quant, fp8_group_scale, fp8e4nv_to_fp32, launch_on_device
-from ._device import store_fp8_as_bytes
+from ._device import INTERPRETER, downcast, fp8_codes, fp8_group_quant, fp8_group_scale, fp8e4nv_to_fp32
+from ._device import launch_on_device, store_fp8_as_bytes
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, output_like, silu_mul_rounded
+from .moe_experts_grouped import _align_kernel, _combine_kernel, _expert_run, _torch_plan, plan_size
+from .moe_experts_grouped import default_config as _bf16_grouped_config
 
 KERNEL_VERSION = "moe_experts_fp8-1"
 
@@ -258,6 +262,16 @@ def launch_down(act, act_scale, top_k_ids, top_k_weights, down_proj, down_scale,
     ))  # fmt: skip
 
 
+def _prepare(launcher, hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale, out):
+    """The launchers' common start: the op's checks (ValueError), hidden, ids and weights made
+    contiguous, ``out`` checked or made (``kernels/moe_experts.output_like``)."""
+    from fusion_compiler.ops.moe_experts_fp8 import validate
+
+    validate(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale)
+    out = output_like(launcher, hidden, out)
+    return hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous(), out
+
+
 def small_batch_experts_fp8(
     hidden: torch.Tensor,
     top_k_ids: torch.Tensor,
@@ -273,11 +287,8 @@ def small_batch_experts_fp8(
     summation order and rare FP8 rounding ties) in two launches -> [T, H] in hidden's dtype.
     ``config``: launch shape, ``default_config`` if None. ``out``: where to write (a [T, H]
     tensor like hidden, rows of unit stride; every element is written), a new tensor if None."""
-    from fusion_compiler.ops.moe_experts_fp8 import validate
-
-    validate(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale)
-    out = output_like("small_batch_experts_fp8", hidden, out)
-    hidden, top_k_ids, top_k_weights = hidden.contiguous(), top_k_ids.contiguous(), top_k_weights.contiguous()
+    hidden, top_k_ids, top_k_weights, out = _prepare("small_batch_experts_fp8", hidden, top_k_ids, top_k_weights,
+                                                     gate_up_proj, gate_up_scale, down_proj, down_scale, out)  # fmt: skip
     tokens, top_k = top_k_ids.shape
     hidden_size, intermediate = hidden.shape[1], down_proj.shape[2]
     if config is None:
@@ -290,4 +301,200 @@ def small_batch_experts_fp8(
     if top_k and intermediate:
         launch_gate_up(hidden, top_k_ids, gate_up_proj, gate_up_scale, act, act_scale, config)
     launch_down(act, act_scale, top_k_ids, top_k_weights, down_proj, down_scale, out, config)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Grouped by expert (above ``ops/moe_experts_fp8.SMALL_BATCH_MAX_TOKENS``)
+# ------------------------------------------------------------------------------------------
+#
+# kernels/moe_experts_grouped.py's four launches (its align kernel, or its torch plan past one
+# program, and its combine kernel, reused as they are) with FP8 GEMM kernels: a program takes
+# slot s's expert, BLOCK_M of its pairs at a time, and steps the reduced dim one 128-group at a
+# time, DeepGEMM's promotion: partial = xq [M, 128] @ wq [128, N] (e4m3 tl.dot, fp32), then
+# acc += partial * sx[:, None] * sw[None, :]. The gate/up kernel quantises each gathered x tile
+# [M, 128] (one group a row) as it goes and covers 128 columns of I, one act group a pair, so it
+# writes act quantised; the down kernel writes y rounded to hidden's dtype for the combine.
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Launch shape of the grouped FP8 kernels; the reduced-dim step is one 128-group and the
+    gate/up kernel's columns one act group (128), fixed by the format. ``block_m``: pairs a GEMM
+    program takes at once (a power of two >= 16); ``down_block_n``: H columns per down program;
+    the rest as kernels/moe_experts_grouped.GroupedConfig. Not measured on an H200."""
+
+    block_m: int = 16
+    gate_up_warps: int = 4
+    gate_up_stages: int = 3
+    down_block_n: int = 128
+    down_warps: int = 4
+    down_stages: int = 3
+    combine_block: int = 1024
+    combine_warps: int = 4
+    align_max_pairs: int = 16384
+
+
+def default_grouped_config(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int) -> GroupedConfig:
+    """``block_m`` by the average run P / E (16..64), as the bf16 grouped kernels; the combine's
+    block no wider than H's power of two."""
+    bf16 = _bf16_grouped_config(tokens, top_k, experts, hidden, intermediate)
+    return GroupedConfig(block_m=bf16.block_m, combine_block=bf16.combine_block)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, act_ptr, act_scale_ptr, plan_ptr,
+    experts, stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_ap, stride_asp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    block = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = block * 128 + tl.arange(0, 128)  # one act group: gate rows n, up rows INTER + n
+    k = tl.arange(0, 128)
+    n_ok = n < INTER
+    gate_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wr + k[:, None]  # [128 (K), 128 (N)]
+    up_ptrs = gate_ptrs + INTER * stride_wr
+    gate_s = ws_ptr + expert * stride_se + (n // 128) * stride_sr
+    up_s = ws_ptr + expert * stride_se + ((INTER + n) // 128) * stride_sr
+    m0 = start
+    while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
+        m_ok = m0 + m < end
+        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        x_ptrs = x_ptr + (pair // TOP_K)[:, None] * stride_xt + k[None, :]
+        gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+        for k0 in tl.range(0, HIDDEN, 128, num_stages=STAGES):
+            k_ok = k0 + k < HIDDEN
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            xq, sx = fp8_group_quant(_upcast(tl.load(x_ptrs + k0, mask=x_ok, other=0.0)), x_ok, False)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            kb = k0 // 128
+            sg = tl.load(gate_s + kb, mask=n_ok, other=0.0)
+            su = tl.load(up_s + kb, mask=n_ok, other=0.0)
+            gate += _fp8_mma(xq, tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)) * sx[:, None] * sg[None, :]
+            up += _fp8_mma(xq, tl.load(up_ptrs + k0, mask=w_ok, other=0.0)) * sx[:, None] * su[None, :]
+        codes, scale = fp8_group_quant(_upcast(silu_mul_rounded(gate, up, DTYPE)), m_ok[:, None] & n_ok[None, :],
+                                       False)  # fmt: skip
+        store_fp8_as_bytes(act_ptr, pair[:, None] * stride_ap + n[None, :], codes, m_ok[:, None] & n_ok[None, :])
+        tl.store(act_scale_ptr + pair * stride_asp + block, scale, mask=m_ok)
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, act_scale_ptr, w_ptr, ws_ptr, y_ptr, plan_ptr,
+    experts, stride_ap, stride_asp, stride_we, stride_wr, stride_se, stride_sr, stride_yp,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, 128)
+    n_ok = n < HIDDEN
+    w_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wr + k[:, None]  # [128 (K), BLOCK_N]
+    s_ptrs = ws_ptr + expert * stride_se + (n // 128) * stride_sr
+    m0 = start
+    while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
+        m_ok = m0 + m < end
+        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        a_ptrs = act_ptr + pair[:, None] * stride_ap + k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, INTER, 128, num_stages=STAGES):
+            k_ok = k0 + k < INTER
+            kb = k0 // 128
+            a = tl.load(a_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            sa = tl.load(act_scale_ptr + pair * stride_asp + kb, mask=m_ok, other=0.0)
+            sw = tl.load(s_ptrs + kb, mask=n_ok, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += _fp8_mma(a, w) * sa[:, None] * sw[None, :]
+        # The expert's GEMM output in the activation dtype (exact in y's dtype).
+        tl.store(y_ptr + pair[:, None] * stride_yp + n[None, :], downcast(acc, DTYPE),
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _fp8_mma(a, b):
+    """a [M, K] @ b [K, N] of e4m3 operands, fp32 accumulation: the native FP8 MMA on the GPU;
+    under the interpreter on fp32 values (exact products; the NaN code decoded)."""
+    if INTERPRETER:
+        return tl.dot(fp8e4nv_to_fp32(a), fp8e4nv_to_fp32(b), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def _plan(top_k_ids: torch.Tensor, experts: int, align_max_pairs: int) -> torch.Tensor:
+    """kernels/moe_experts_grouped.py's plan: its align kernel, or its torch plan past one program."""
+    pairs = top_k_ids.numel()
+    plan = torch.empty(plan_size(pairs, experts), dtype=torch.int32, device=top_k_ids.device)
+    p_pow2 = triton.next_power_of_2(max(pairs, 1))
+    if p_pow2 <= align_max_pairs and (experts + 1) * p_pow2 < 2**31:  # (int32 sort keys)
+        launch_on_device(top_k_ids, lambda: _align_kernel[(1,)](
+            top_k_ids, plan, experts,
+            PAIRS=pairs, P_POW2=p_pow2, E_BINS=triton.next_power_of_2(experts + 1),
+            num_warps=4 if p_pow2 <= 2048 else 8 if p_pow2 <= 8192 else 16,
+        ))  # fmt: skip
+    else:
+        _torch_plan(top_k_ids, experts, plan)
+    return plan
+
+
+def grouped_experts_fp8(
+    hidden: torch.Tensor,
+    top_k_ids: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_scale: torch.Tensor,
+    config: GroupedConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fusion_compiler::moe_experts_fp8`` grouped by expert, in four launches; arguments,
+    ``config`` and ``out`` as ``small_batch_experts_fp8``."""
+    hidden, top_k_ids, top_k_weights, out = _prepare("grouped_experts_fp8", hidden, top_k_ids, top_k_weights,
+                                                     gate_up_proj, gate_up_scale, down_proj, down_scale, out)  # fmt: skip
+    tokens, top_k = top_k_ids.shape
+    experts, hidden_size, intermediate = down_proj.shape
+    pairs = tokens * top_k
+    c = config or default_grouped_config(tokens, top_k, experts, hidden_size, intermediate)
+    if c.block_m < 16 or c.block_m & (c.block_m - 1):
+        raise ValueError(f"block_m {c.block_m}: tl.dot takes a power of two >= 16")
+    if c.down_block_n < 16 or c.down_block_n & (c.down_block_n - 1):
+        raise ValueError(f"down_block_n {c.down_block_n}: tl.dot takes a power of two >= 16")
+    if tokens == 0 or hidden_size == 0:
+        return out
+    dtype, device = hidden.dtype, hidden.device
+    y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
+    if pairs and intermediate:
+        plan = _plan(top_k_ids, experts, c.align_max_pairs)
+        act = torch.empty(pairs, intermediate, dtype=FP8, device=device)
+        act_scale = torch.empty(pairs, triton.cdiv(intermediate, GROUP), dtype=torch.float32, device=device)
+        slots = min(experts, pairs)
+        launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, GROUP))](
+            hidden, gate_up_proj, gate_up_scale, act.view(torch.uint8), act_scale, plan,
+            experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
+            gate_up_scale.stride(1), act.stride(0), act_scale.stride(0),
+            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+            BLOCK_M=c.block_m, STAGES=c.gate_up_stages, num_warps=c.gate_up_warps,
+        ))  # fmt: skip
+        launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, triton.cdiv(hidden_size, c.down_block_n))](
+            act, act_scale, down_proj, down_scale, y, plan,
+            experts, act.stride(0), act_scale.stride(0), down_proj.stride(0), down_proj.stride(1),
+            down_scale.stride(0), down_scale.stride(1), y.stride(0),
+            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, DTYPE=_TL_DTYPES[dtype],
+            BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, STAGES=c.down_stages, num_warps=c.down_warps,
+        ))  # fmt: skip
+    else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
+        y.zero_()
+    launch_on_device(hidden, lambda: _combine_kernel[(tokens, triton.cdiv(hidden_size, c.combine_block))](
+        y, top_k_ids, top_k_weights, out,
+        experts, y.stride(0), out.stride(0),
+        HIDDEN=hidden_size, TOP_K=top_k, OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK=c.combine_block,
+        num_warps=c.combine_warps,
+    ))  # fmt: skip
     return out

@@ -40,10 +40,15 @@ the dequantised product (equal to the sum above up to accumulation order) in fp3
 float64 with ``accumulate=torch.float64``: "the float64 dequantised product", the same
 quantised operands with no rounding in the GEMMs.
 
-On CUDA (``_cuda``): kernels/moe_experts_fp8.py's two GEMV-style launches (x quantised on the
-fly per program; act written quantised) at every token count: correct at any size, but above
-~8 tokens slower than a grouped kernel would be (not written yet: the bf16 op's
-kernels/moe_experts_grouped.py structure is the model). No host sync; a CUDA graph captures it.
+On CUDA (``_cuda``) kernels/moe_experts_fp8.py, two paths chosen by the number of tokens as the
+bf16 op's (its split, ``SMALL_BATCH_MAX_TOKENS``; the FP8 kernels' own is not measured yet):
+
+* up to it: two GEMV-style launches that read each pair's expert once (x quantised on the fly
+  per program, act written quantised);
+* above: the pairs grouped by expert (kernels/moe_experts_grouped.py's plan and combine), e4m3
+  ``tl.dot`` per 128-group with the scales applied to each group's partial product.
+
+Neither syncs the host; a CUDA graph captures both.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 
 from ._checks import require_dtype, require_last_dim_contiguous, require_same_device, require_shape
 from .fp8_quant import FP8_DTYPE, FP8_MAX, fp8_group_quant_reference, group_scale
+from .moe_experts import SMALL_BATCH_MAX_TOKENS
 
 BLOCK = 128  # weight blocks 128 x 128, activation groups 1 x 128
 _HIDDEN = (torch.bfloat16, torch.float16, torch.float32)
@@ -176,11 +182,11 @@ def _fake(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_pr
 
 @_op.register_kernel("cuda")
 def _cuda(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale):
-    validate(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale)
-    from fusion_compiler.kernels.moe_experts_fp8 import small_batch_experts_fp8
+    from fusion_compiler.kernels import moe_experts_fp8 as kernels  # (its launchers run ``validate``)
 
-    return small_batch_experts_fp8(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj,
-                                   down_scale)  # fmt: skip
+    small = hidden.shape[0] <= SMALL_BATCH_MAX_TOKENS
+    launch = kernels.small_batch_experts_fp8 if small else kernels.grouped_experts_fp8
+    return launch(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale)
 
 
 def moe_experts_fp8(hidden, top_k_ids, top_k_weights, gate_up_proj, gate_up_scale, down_proj, down_scale):
