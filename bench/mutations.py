@@ -87,6 +87,17 @@ MUTATIONS = [
              "    k_rep = k.float().repeat_interleave(group, dim=1)\n    v_rep = v.float().repeat_interleave(group, dim=1)",
              "    k_rep = k.float().repeat(1, group, 1, 1)\n    v_rep = v.float().repeat(1, group, 1, 1)",
              "tests/ops/test_decode_attention.py::test_op_matches_float64_attention"),
+    # -- moe_experts: the pass's SiLU check, the op's routing weights, the grouped combine --
+    Mutation("moe_experts_pass_takes_any_activation", "fusion_compiler/patterns/moe_experts.py",
+             "    if not is_silu(silu):", "    if False:",
+             "tests/patterns/test_moe_experts.py::test_near_misses_are_reported_with_their_reason"),
+    Mutation("moe_experts_reference_drops_routing_weights", "fusion_compiler/ops/moe_experts.py",
+             "        total.index_add_(0, pairs // top_k, y * flat_w[pairs, None])",
+             "        total.index_add_(0, pairs // top_k, y)",
+             "tests/ops/test_moe_experts.py::test_reference_equals_a_loop_over_pairs_with_padding"),
+    Mutation("moe_experts_grouped_combine_drops_weight", "fusion_compiler/kernels/moe_experts_grouped.py",
+             "            total += _upcast(y) * weight", "            total += _upcast(y)",
+             "tests/kernels/test_moe_experts.py::test_kernel_matches_reference_and_float64"),
     # -- div_rn_by: the interpreter branch, and the GPU branch's correction run on CPU --
     Mutation("div_rn_by_interpreter_branch_inexact", "fusion_compiler/kernels/_device.py",
              "        return tl.math.div_rn(x, tl.full(x.shape, 0.0, tl.float32) + d)",

@@ -21,6 +21,7 @@ from .base import (
     rms_norm_modules,
     repeated_layer_types,
     rms_norm_sites,
+    attention_families,
     experts_sites,
     router_sites,
     structural_sites,
@@ -50,8 +51,8 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
     work); ``default_layers`` is its ``num_hidden_layers``. A model_type of one of ``ADAPTERS``
     keeps that adapter's layer kinds and expected sites; any other takes its layer kinds from its
     ``layer_types`` (else "decoder") and its expected sites from its module tree
-    (``base.structural_sites``: q/k-norm attention with partial rotary, Gated DeltaNet layers,
-    top-k routers, every other RMSNorm that runs).
+    (``base.structural_sites``: q/k-norm GQA and MLA attention, Gated DeltaNet layers,
+    top-k routers, routed experts, every other RMSNorm that runs).
     Raises ValueError if the file is missing, is not a JSON object, has no ``model_type``, or names
     a model_type this transformers does not know.
     """

@@ -527,22 +527,15 @@ def dsa_mask_sites(model: torch.nn.Module) -> dict[str, int]:
             if hasattr(module, "kv_a_layernorm") and hasattr(module, "indexer")}  # fmt: skip
 
 
-def _partial_rotary(config) -> bool:
-    rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return factor is not None and float(factor) < 1.0
-
-
 def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Expected sites of a model we have no adapter for, from its module tree and config: q/k-norm
-    attention with partial rotary is a gqa_prologue site (the math gqa_prologue fuses; with full
-    rotary the q/k norms are add_rms_norm sites), MLA attention mla_prologue sites (which take
-    its kv_a_layernorm), a Gated DeltaNet layer a gdn site, a top-k router a moe_routing site,
-    every other RMSNorm that runs an add_rms_norm site."""
-    if _partial_rotary(model.config):
-        sites = qk_norm_attention_sites(model, norms)
-    else:
-        sites = {"add_rms_norm": dict(norms), "moe_routing": router_sites(model), "moe_experts": experts_sites(model)}
+    """Expected sites of a model we have no adapter for, from what its modules compute (the
+    module tree and config, never the model's name): a GQA attention with q/k norms is a
+    gqa_prologue site (the math gqa_prologue fuses, whatever its rotary dim), an MLA attention
+    with RoPE mla_prologue sites (which take its kv_a_layernorm), a Gated DeltaNet layer a gdn
+    site, a top-k router a moe_routing site, HF's routed experts a moe_experts site, every other
+    RMSNorm that runs an add_rms_norm site. Attentions no prologue family applies to are
+    ``attention_families``' declined ones, with the reason."""
+    sites = qk_norm_attention_sites(model, norms)
     # Each bigger site takes a norm of its module: kv_a_layernorm into the kv site, the gated
     # norm into the GDN site.
     for family, found, norm in (("mla_prologue", mla_sites(model), "kv_a_layernorm"), ("gdn", gdn_sites(model), "norm")):
@@ -555,6 +548,30 @@ def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str,
     return sites
 
 
+PROLOGUE_FAMILIES = ("gqa_prologue", "mla_prologue")
+
+
+def attention_families(model: torch.nn.Module) -> dict[str, tuple[str | None, str]]:
+    """Every softmax attention of the tree -> (its prologue family, or None; why), from what the
+    module computes: a latent K/V (``kv_a_proj_with_mqa``: MLA) with RoPE is mla_prologue's, per-head
+    K/V projections (``k_proj`` / ``v_proj``) with q/k norms gqa_prologue's. Anything else gets no
+    family and the reason (an MLA without RoPE, an attention without q/k norms)."""
+    out: dict[str, tuple[str | None, str]] = {}
+    config = getattr(model, "config", None)
+    for name, m in model.named_modules():
+        if hasattr(m, "kv_a_proj_with_mqa"):
+            rope = int(getattr(getattr(m, "config", config), "qk_rope_head_dim", 0) or 0)
+            out[name] = (("mla_prologue", "a latent K/V (MLA) with RoPE") if rope > 0 else
+                         (None, "no family applies: an MLA attention without RoPE (qk_rope_head_dim 0)"))  # fmt: skip
+        elif all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")):
+            if hasattr(m, "q_norm") and hasattr(m, "k_norm"):
+                out[name] = ("gqa_prologue", "per-head K/V with q/k norms")
+            else:
+                out[name] = (None, "no family applies: the attention has no q/k norms, and the fused prologues "
+                                   "begin at them (RoPE and the cache write stay with Inductor)")  # fmt: skip
+    return out
+
+
 def _without(norms: dict[str, int], taken: set[str]) -> dict[str, int]:
     return {m: n for m, n in norms.items() if m not in taken}
 
@@ -563,8 +580,7 @@ def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> di
     """GQA attention with q/k norms (HF's ``q_norm`` / ``k_norm`` beside ``q_proj``; MiniMax-M2,
     Qwen3.5's full-attention layers): one gqa_prologue site each, which takes its q/k norms, so
     they are not add_rms_norm sites; every other RMSNorm that runs is."""
-    attention = {name: 1 for name, m in model.named_modules()
-                 if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))}  # fmt: skip
+    attention = {name: 1 for name, (family, _) in attention_families(model).items() if family == "gqa_prologue"}
     taken = {f"{name}.{norm}" for name in attention for norm in ("q_norm", "k_norm")}
     return {
         "gqa_prologue": attention,

@@ -70,6 +70,7 @@ class FusionPass(_compat.CustomGraphPass):
                 graph_report.sites.extend(stage_module(stage).run(graph, self.config))
             else:
                 graph_report.stage_results[stage.name] = stage_module(stage).run(graph, self.config)
+        graph_report.sites = _without_other_prologues(graph_report.sites, graph_report.expected)
         # Replacements can land before the nodes they read; sort before anything lints.
         _compat.stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -183,3 +184,16 @@ def _format_missing(graph_report: GraphReport, missing) -> str:
         why = f" — {miss.reason} (stopped at {miss.stopped_at})" if miss else " — no candidate node found there"
         lines.append(f"  {family} at {module}: expected {expected}, fused {found}{why}")
     return "\n".join(lines)
+
+
+# Both prologue families anchor on RoPE nodes, so each sees the other's attentions as candidates.
+# Where the expectations say which family an attention is (model_adapters.base.attention_families:
+# MLA's latent K/V or per-head K/V with q/k norms), the other family's candidates there are not
+# sites of it: never reported as its misses.
+PROLOGUE_FAMILIES = ("gqa_prologue", "mla_prologue")
+
+
+def _without_other_prologues(sites: list[Site], expected: dict) -> list[Site]:
+    owner = {module: family for family in PROLOGUE_FAMILIES for module in expected.get(family, {})}
+    return [s for s in sites
+            if not (s.status == "missed" and s.family in PROLOGUE_FAMILIES and owner.get(s.module, s.family) != s.family)]

@@ -57,7 +57,7 @@ import torch
 from .. import _compat
 from ..ops import gqa_prologue as gqa_ops
 from . import add_rms_norm, mla_prologue
-from ..fx.graph_walk import walk
+from ..fx.graph_walk import downstream, upstream, val_shape, walk
 from .registry import Family, Reason, Variant
 from .spellings import FP8, write_rows
 
@@ -648,14 +648,60 @@ def is_site(node: torch.fx.Node) -> bool:
     )
 
 
+def _k_norm(rows: torch.fx.Node) -> dict | None:
+    """The RMS norm on k's path into the cache rows, as the model computes it: its width (the
+    mean's last dim) and whether its weight is Gemma's ``1 + w``; None when k has no norm."""
+    rsqrt = upstream(rows, lambda n: getattr(n, "target", None) is aten.rsqrt.default, 24)
+    if rsqrt is None:
+        return None
+    mean = upstream(rsqrt, lambda n: getattr(n, "target", None) is aten.mean.dim, 3)
+    width = (val_shape(mean.args[0]) or (None,))[-1] if mean is not None else None
+    scaled = downstream(rsqrt, lambda n: getattr(n, "target", None) is aten.mul.Tensor
+                        and any(_is_norm_weight(a) for a in n.args), 4)  # fmt: skip
+    gemma = scaled is not None and any(getattr(a, "target", None) is aten.add.Tensor for a in scaled.args)
+    return {"width": width, "gemma": gemma, "weighted": scaled is not None}
+
+
+def _is_norm_weight(node) -> bool:
+    """A norm weight: a graph input (1-D), or ``w + 1`` of one (Gemma)."""
+    if getattr(node, "target", None) is aten.add.Tensor:
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr") and len(val_shape(node) or ()) == 1
+
+
+def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
+    node = rows
+    for _ in range(6):
+        if getattr(node, "target", None) is aten.cat.default and len(node.args[0]) == 2:
+            rotated = (val_shape(node.args[0][0]) or (head_dim,))[-1]
+            return head_dim if _halves_of_one_rotation(*node.args[0]) else rotated
+        if getattr(node, "target", None) not in _THROUGH:
+            break
+        node = node.args[0]
+    return head_dim
+
+
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    """A dtype the kernel cannot take (float64: no trace of ours has its casts); else None, for
-    Inductor's FailedMatch text (registry.failed_match_reason)."""
+    """The site in the model's terms where its math departs from every variant: the K rows'
+    dtype, or k's norm (per head with a plain weight, or over the whole projection with
+    Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
     rows = anchor.args[2]
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
-    return None
+    head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
+    norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
+    if norm is None or head_dim is None or norm["width"] is None:
+        return None
+    per_head = norm["width"] == head_dim
+    if per_head == norm["gemma"]:
+        return None  # Qwen3.5's per-head Gemma norm or MiniMax's full-width one: another departure
+    rotary = _rotary_dim(rows, head_dim)
+    how = "per head" if per_head else f"over the whole projection ({norm['width']} wide)"
+    weight = "Gemma's (1 + w) weight" if norm["gemma"] else "a plain weight (x * w)"
+    return rows, (f"q/k are RMS-normalised {how} with {weight}, then RoPE over {rotary} of {head_dim} dims: "
+                  "the fused GQA prologue takes Qwen3.5's per-head (1 + w) norm or MiniMax-M2's "
+                  "whole-projection x * w norm")
 
 
 def _facts_with_angles(nodes, inputs):
