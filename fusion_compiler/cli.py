@@ -3,6 +3,7 @@
     fusion-compiler inspect [MODEL | --hf-config FILE.json] [--size tiny|real] [--layers N]
                             [--device cpu|cuda] [--batch B] [--context N] [--json OUT] [--plot OUT.png]
                             [--explain] [-v]
+    fusion-compiler support [--out FILE.md] [--models LABEL ...] [-v]
 
 The table goes to stdout; stderr gets one line per step as it runs (inspect/terminal.py).
 """
@@ -41,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also the compiler's log for every compile and the warnings of Dynamo, Inductor and transformers")
     p.set_defaults(subparser=p)  # a usage error prints this command's usage, as argparse's own do
+    from .inspect.support_models import models
+
+    s = sub.add_parser("support", help="every supported model through inspect on CPU: a Markdown table (docs/SUPPORT.md)")
+    s.add_argument("--out", metavar="FILE.md", help="write the table there (docs/SUPPORT.md is the committed one)")
+    s.add_argument("--models", nargs="+", metavar="LABEL", choices=[label for label, _ in models()],
+                   help="only these rows (default: all)")
+    s.add_argument("-v", "--verbose", action="store_true", help="as inspect's -v")
+    s.set_defaults(subparser=s)
     return parser
 
 
@@ -108,12 +117,28 @@ def _inspect(args) -> int:
     return 0
 
 
+def _support(args) -> int:
+    if args.out:
+        _writable("--out", args.out)
+    from .inspect.support import markdown, provenance, run_all
+    from .inspect.terminal import Terminal
+
+    terminal = Terminal(verbose=args.verbose)
+    with terminal.capture():
+        table = markdown(run_all(progress=terminal.progress, only=args.models), provenance())
+        print(table)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
-        return _inspect(args)
+        return _support(args) if args.command == "support" else _inspect(args)
     except UsageError as e:
         args.subparser.print_usage(sys.stderr)
         print(f"{args.subparser.prog}: error: {e}", file=sys.stderr)

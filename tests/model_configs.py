@@ -1,25 +1,6 @@
-"""Config files of models we have no adapter for, as tests write them to disk (tiny widths)."""
+"""Config files of models we have no adapter for, as tests write them to disk (tiny widths).
+They are `fusion-compiler support`'s (fusion_compiler/inspect/support_models.py)."""
 
-# transformers' qwen3_next at tiny widths (Qwen3.5's tiny dims); no adapter of ours names it.
-QWEN3_NEXT = {
-    "model_type": "qwen3_next", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-}  # fmt: skip
+from fusion_compiler.inspect.support_models import DEEPSEEK_V3, GLM4_MOE, QWEN3_MOE, QWEN3_NEXT
 
-# transformers' deepseek_v3 (DeepSeek V3, Kimi-K2's code): MLA without the DSA indexer, the same
-# grouped sigmoid routing; DeepSeek V3.2's tiny dims.
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
-    "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128,
-    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 16,
-    "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True, "first_k_dense_replace": 0, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "tie_word_embeddings": False,
-}  # fmt: skip
+__all__ = ["DEEPSEEK_V3", "GLM4_MOE", "QWEN3_MOE", "QWEN3_NEXT"]

@@ -24,7 +24,7 @@ from ..config import FusionConfig
 from ..model_adapters import ModelAdapter, make_decode_step
 from ..patterns.registry import trace_seconds_total
 from ..verify import relative_error
-from . import counting
+from . import counting, gate
 
 MODES = ("eager", "inductor", "fusion_compiler")
 FAMILY = "add_rms_norm"  # the first column; the adapter may expect sites of more families
@@ -54,9 +54,13 @@ def _counting_backend(inner: Callable) -> tuple[Callable, list[int], list[float]
     return backend, graphs, seconds
 
 
-def _fusion_backend(expected: dict | None) -> FusionBackend:
+def _fusion_config(expected: dict | None) -> FusionConfig:
     # Kernels per layer come from uncaptured runs (the profiler, the wrapper code): no CUDA graphs.
-    return FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}, cudagraphs=False))
+    return FusionConfig(expected=expected or {FAMILY: {}}, cudagraphs=False)
+
+
+def _fusion_backend(expected: dict | None) -> FusionBackend:
+    return FusionBackend(_fusion_config(expected))
 
 
 def _stock_inductor(gm, example_inputs):
@@ -132,14 +136,17 @@ def inspect_model(
     batch: int = 1,
     context: int = 16,
     progress: Callable[[str], contextlib.AbstractContextManager[list[str]]] = lambda label: contextlib.nullcontext([]),
+    compile_timing: bool = True,
 ) -> dict:
     """``progress(label)`` wraps each step (a mode on a stack, the compile timing, the CUDA
-    graph check); the step appends short notes (its kernel count) to the list it yields."""
+    graph check, the numerics gate's float64 run and bisect when it fires); the step appends short
+    notes (its kernel count) to the list it yields. ``compile_timing``: time a second compile per
+    mode (`compile_seconds`); off, ``compile_seconds`` is None."""
     dtype = torch.bfloat16
     kinds = adapter.layer_kinds(adapter.hf_config(size, layers))
     pairs = stack_pairs(kinds)
     stacks = list(dict.fromkeys([tuple(kinds)] + [s for pair in pairs.values() for s in pair]))
-    steps = len(stacks) * len(MODES) + 1 + (device == "cuda")
+    steps = len(stacks) * len(MODES) + compile_timing + (device == "cuda")
     done = 0
 
     def step_label(what: str) -> str:
@@ -162,9 +169,21 @@ def inspect_model(
                 notes.append(f"{per_stack[stack][mode].kernels.count} kernels")
         if stack == tuple(kinds):
             expected_full = expected
-            # The runs above were each mode's first compile of this stack; time a second.
-            with progress(step_label(f"{_layers(len(stack))}, compile timing")):
-                compile_times = compile_seconds(model, batch, context, expected)
+            logits = {mode: result.logits for mode, result in per_stack[stack].items()}
+            numerics = gate.measure(logits)
+            if numerics["fired"]:  # a float64 run, then maybe a compile per stage: a step of its own
+                with progress(f"{adapter.name} numerics gate, {numerics['verdict']}: float64 run, bisect") as notes:
+                    try:
+                        numerics = gate.explain(numerics, model, batch, context, logits,
+                                                per_stack[stack]["fusion_compiler"].report, _fusion_config(expected))
+                    except Exception as e:  # noqa: BLE001 - the gate's diagnosis failing must not hide the table
+                        numerics["verdict"] += f"; its float64 run or bisect failed: {type(e).__name__}: {e}"
+                    notes.append(numerics["verdict"])
+            compile_times = None
+            if compile_timing:
+                # The runs above were each mode's first compile of this stack; time a second.
+                with progress(step_label(f"{_layers(len(stack))}, compile timing")):
+                    compile_times = compile_seconds(model, batch, context, expected)
             cuda_graphs = None
             if device == "cuda":
                 with progress(step_label(f"{_layers(len(stack))}, CUDA graphs of the whole step")):
@@ -227,6 +246,7 @@ def inspect_model(
         "relative_error_vs_eager": {
             mode: relative_error(full[mode].logits, eager_logits) for mode in MODES if mode != "eager"
         },
+        "numerics_gate": numerics,
         "compile_seconds": compile_times,
         "cuda_graphs": cuda_graphs,
         "expected_sites": expected_full,
@@ -364,6 +384,7 @@ def format_table(result: dict, explain: bool = False) -> str:
             + "".join(f"; capture error: {error}" for error in graphs["capture_errors"])
         )
     lines.append(f"graphs per mode: {result['graphs']}; relative error vs eager: " + ", ".join(f"{m} {e:.2e}" for m, e in result["relative_error_vs_eager"].items()))
+    lines.append(f"numerics gate: {result['numerics_gate']['verdict']}")
     return "\n".join(lines)
 
 

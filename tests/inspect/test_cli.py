@@ -96,6 +96,9 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
     assert result["graphs"]["fusion_compiler"] == 1
     assert result["relative_error_vs_eager"]["fusion_compiler"] < 2e-2
+    # An honest run: the numerics gate (tests/inspect/test_gate.py) does not fire, and does no more work.
+    numerics = result["numerics_gate"]
+    assert not numerics["fired"] and numerics["verdict"].startswith("pass: ") and numerics["bisect"] == []
     assert result["cuda_graphs"] is None  # the step-graph check runs on CUDA only
     assert result["graph_breaks"] == {"inductor": {}, "fusion_compiler": {}}
     seconds = result["compile_seconds"]  # measured CPU, tiny: 3.87 s stock, 3.12 s ours, tracing 4.7 s
