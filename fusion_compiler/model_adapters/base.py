@@ -13,6 +13,7 @@ Only random weights are used: nothing is ever downloaded.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from ..fx.module_paths import layer_of
+
+log = logging.getLogger("fusion_compiler")
 
 # Experts implementation used when none is asked for: "grouped_mm" (the transformers 5.17 default,
 # torch.nn.functional.grouped_mm over the full expert weights with per-expert offsets). Checked on
@@ -222,9 +225,9 @@ class ModelAdapter:
     ) -> torch.nn.Module:
         """HF ``*ForCausalLM`` with seeded random weights, ``eval()``, parameters allocated directly
         on ``device`` in ``dtype`` (fp32-by-design buffers such as ``e_score_correction_bias`` stay
-        fp32). Same seed + same device -> identical weights."""
-        from transformers import AutoModelForCausalLM
-
+        fp32). Same seed + same device -> identical weights. A decoder with no ``*ForCausalLM``
+        class is its base model plus a vocabulary head (``BaseModelWithHead``); a model class that
+        rejects SDPA runs eager attention (both logged)."""
         config = self.hf_config(
             size,
             layers,
@@ -239,7 +242,7 @@ class ModelAdapter:
         with torch.random.fork_rng(devices=fork_devices):
             torch.manual_seed(seed)
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                model = causal_lm_from_config(config, dtype)
             randomize_weights_(model, generator_seed=seed + 1)
         model.eval()
         model.requires_grad_(False)
@@ -248,6 +251,51 @@ class ModelAdapter:
     def layer_kinds(self, config) -> list[str]:
         """One kind string per decoder layer of ``config``."""
         return list(self.layer_kind_fn(config))
+
+
+class BaseModelWithHead(torch.nn.Module):
+    """A decoder transformers ships with no ``*ForCausalLM`` class (a multimodal model's text
+    tower, say): its base model as ``model`` (so module paths read ``model.layers.N...`` as in a
+    causal LM) and a bias-free vocabulary head; returns HF's causal-LM output (logits, cache)."""
+
+    def __init__(self, base: torch.nn.Module, config):
+        super().__init__()
+        self.config = config
+        self.model = base
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids=None, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = self.model(input_ids=input_ids, **kwargs)
+        return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state),
+                                      past_key_values=getattr(out, "past_key_values", None))  # fmt: skip
+
+
+def causal_lm_from_config(config, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config``, or, where transformers has no causal-LM class for the
+    config, ``AutoModel`` + a head; where the class rejects the config's attention implementation
+    (SDPA), eager attention."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    def build(auto):
+        try:
+            return auto.from_config(config, dtype=dtype)
+        except ValueError as err:
+            if "attn_implementation" not in str(err) and "scaled_dot_product_attention" not in str(err):
+                raise
+            log.warning("%s rejects %s attention (%s); building it with eager attention", config.model_type,
+                        getattr(config, "_attn_implementation", None), str(err).splitlines()[0])  # fmt: skip
+            config._attn_implementation = "eager"
+            return auto.from_config(config, dtype=dtype)
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return build(AutoModelForCausalLM)
+    log.warning("transformers has no causal-LM class for %s; building its base model plus a vocabulary head",
+                type(config).__name__)
+    base = build(AutoModel)
+    model = BaseModelWithHead(base, config)
+    return model.to(dtype=dtype) if dtype is not None else model
 
 
 # --------------------------------------------------------------------------------------------------

@@ -88,3 +88,42 @@ def test_qwen3_moe_prologue_misses_in_words_and_is_no_mla_candidate(tmp_path):
         assert miss.reason.startswith("q/k are RMS-normalised per head with a plain weight (x * w), then RoPE over 32 "
                                       "of 32 dims"), miss.reason  # fmt: skip
     assert report.per_module("moe_experts") == expected["moe_experts"]
+
+
+def _adapter(tmp_path, config: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return adapter_from_hf_config(path)
+
+
+def test_a_class_that_rejects_sdpa_builds_with_eager_attention(tmp_path, caplog):
+    """gpt-oss rejects SDPA: the generic adapter asks for it, and the build falls back, logged."""
+    model = _adapter(tmp_path, dict(_TINY, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2)).build_hf()
+    assert type(model).__name__ == "GptOssForCausalLM" and model.config._attn_implementation == "eager"
+    assert "building it with eager attention" in caplog.text
+
+
+def test_a_decoder_with_no_causal_lm_class_is_its_base_model_plus_a_head(tmp_path):
+    """Qwen3-VL-MoE's text tower has no *ForCausalLM class: its base model plus a vocabulary
+    head, module paths as a causal LM's; one compiled decode step fuses its routing and experts
+    per layer and stays within 2e-2 of eager."""
+    from fusion_compiler.model_adapters import make_decode_step
+    from fusion_compiler.model_adapters.base import BaseModelWithHead
+    from fusion_compiler.verify import relative_error
+
+    text = dict(_TINY, model_type="qwen3_vl_moe_text", num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                           "mrope_section": [4, 6, 6]})  # fmt: skip
+    adapter = _adapter(tmp_path, {"model_type": "qwen3_vl_moe", "text_config": text})
+    model = adapter.build_hf(size="tiny", dtype=torch.bfloat16)
+    assert isinstance(model, BaseModelWithHead)
+    expected = adapter.expected_sites(model)
+    layers = {f"model.layers.{i}.mlp.experts": 1 for i in (0, 1)}
+    assert expected["moe_experts"] == layers
+    backend = fc.FusionBackend(fc.FusionConfig(expected=expected))
+    torch._dynamo.reset()
+    eager = make_decode_step(model).run(model)
+    fused = make_decode_step(model).run(torch.compile(model, backend=backend))
+    assert backend.report.per_module("moe_experts") == layers
+    assert backend.report.per_layer("moe_routing") == {0: 1, 1: 1}
+    assert relative_error(fused, eager) < 2e-2
