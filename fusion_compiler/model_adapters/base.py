@@ -558,8 +558,9 @@ def mla_sites(model: torch.nn.Module) -> dict[str, int]:
     """MLA attention (a ``kv_a_layernorm``: DeepSeek V3 / V3.2, Kimi-K2): its kv and q RoPE sites
     (mla_prologue), and the k and q RoPE sites of a DSA ``indexer`` where it has one."""
     mla: dict[str, int] = {}
+    families = attention_families(model)
     for name, module in model.named_modules():
-        if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_a_proj_with_mqa"):
+        if hasattr(module, "kv_a_layernorm") and families.get(name, (None,))[0] == "mla_prologue":
             mla[name] = 2
             if hasattr(module, "indexer"):
                 mla[f"{name}.indexer"] = 2
