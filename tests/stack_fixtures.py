@@ -62,8 +62,13 @@ def wrong_add_rms_norm():
         out, total = rms_norm_ops.add_rms_norm_reference(x, residual, weight, eps, weight_offset, out_dtype)
         return out * 1.5, total
 
+    def honest(x, residual, weight, eps, weight_offset, out_dtype):
+        # Through the module's name at call time, as the op's own CPU impl does: a test that
+        # monkeypatches the reference later (tests/inspect/test_gate.py) still reaches the op.
+        return rms_norm_ops.add_rms_norm_reference(x, residual, weight, eps, weight_offset, out_dtype)
+
     custom_op.register_kernel("cpu")(wrong)
     try:
         yield
     finally:
-        custom_op.register_kernel("cpu")(rms_norm_ops.add_rms_norm_reference)
+        custom_op.register_kernel("cpu")(honest)

@@ -21,7 +21,7 @@ import torch
 from .. import _compat
 from ..backend import FusionBackend
 from ..config import FusionConfig
-from ..model_adapters import ModelAdapter, make_decode_step
+from ..model_adapters import ModelAdapter, attention_families, make_decode_step
 from ..patterns.registry import trace_seconds_total
 from ..verify import relative_error
 from . import counting, gate
@@ -156,6 +156,7 @@ def inspect_model(
 
     per_stack: dict[tuple[str, ...], dict[str, ModeResult]] = {}
     expected_full: dict[str, dict[str, int]] = {}
+    no_family: dict[str, str] = {}
     for stack in stacks:
         per_stack[stack] = {}
         for mode in MODES:
@@ -169,6 +170,7 @@ def inspect_model(
                 notes.append(f"{per_stack[stack][mode].kernels.count} kernels")
         if stack == tuple(kinds):
             expected_full = expected
+            no_family = {name: why for name, (family, why) in attention_families(model).items() if family is None}
             logits = {mode: result.logits for mode, result in per_stack[stack].items()}
             numerics = gate.measure(logits)
             if numerics["fired"]:  # a float64 run, then maybe a compile per stage: a step of its own
@@ -250,6 +252,8 @@ def inspect_model(
         "compile_seconds": compile_times,
         "cuda_graphs": cuda_graphs,
         "expected_sites": expected_full,
+        # Attentions no prologue family applies to, with why (model_adapters.base.attention_families).
+        "no_family": no_family,
         "match_summary": report.summary(),
         "merged_launches": [{"layer": l, "kind": k, "sites": n} for l, k, n in report.merges()],
         "merged_projections": report.merged_projections(),
@@ -357,6 +361,9 @@ def format_table(result: dict, explain: bool = False) -> str:
         )
         lines.extend(_miss_lines(row["misses"], explain))
     lines.append(f"{'-':>5} {'outside layers':<16} {'':>6} {'':>9} {'':>7}  {found(result['outside_layers']['matches'])}")
+    reasons = list(result.get("no_family", {}).items())
+    for why, modules in {w: [m for m, x in reasons if x == w] for _, w in reasons}.items():
+        lines.append(f"{why} ({len(modules)} attention(s): {modules[0]}{', ...' if len(modules) > 1 else ''})")
     lines.extend(_miss_lines(result["outside_layers"]["misses"], explain))
     for merge in result.get("merged_launches", []):
         lines.append(f"merged {merge['sites']} {merge['kind']}-prologue sites of {merge['layer']} into one launch")

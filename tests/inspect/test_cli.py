@@ -94,6 +94,7 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
         assert row["matches"]["gqa_prologue"] == {"found": 1, "expected": 1}
         assert row["misses"] == []
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
+    assert result["no_family"] == {}
     assert result["graphs"]["fusion_compiler"] == 1
     assert result["relative_error_vs_eager"]["fusion_compiler"] < 2e-2
     # An honest run: the numerics gate (tests/inspect/test_gate.py) does not fire, and does no more work.
@@ -106,7 +107,8 @@ def test_json_holds_kernels_matches_and_misses_per_layer(minimax):
     assert seconds["pass_overhead_vs_inductor"] == seconds["fusion_compiler"] / seconds["inductor"] - 1
 
 
-def test_inspect_dense_llama_from_hf_config(tmp_path):
+def test_inspect_dense_llama_from_hf_config(tmp_path, capsys):
+    """Llama's attention has no q/k norms: no prologue family applies, and inspect says why."""
     config = {
         "model_type": "llama",
         "hidden_size": 128,
@@ -125,6 +127,8 @@ def test_inspect_dense_llama_from_hf_config(tmp_path):
     for row in result["per_layer"]:
         assert row["matches"]["add_rms_norm"] == {"found": 2, "expected": 2}, row
     assert result["outside_layers"]["matches"]["add_rms_norm"] == {"found": 1, "expected": 1}
+    assert set(result["no_family"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert "no family applies: the attention has no q/k norms" in capsys.readouterr().out
 
 
 BAD_ARGUMENTS = [
