@@ -46,7 +46,7 @@ from ._device import INTERPRETER, downcast, fp8_codes, fp8_group_quant, fp8_grou
 from ._device import launch_on_device, store_fp8_as_bytes
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, output_like, silu_mul_rounded
-from .moe_experts_grouped import _align_kernel, _combine_kernel, _expert_run, _torch_plan, plan_size
+from .moe_experts_grouped import _expert_run, launch_combine, make_plan
 from .moe_experts_grouped import default_config as _bf16_grouped_config
 
 KERNEL_VERSION = "moe_experts_fp8-1"
@@ -427,22 +427,6 @@ def _fp8_mma(a, b):
         return tl.dot(a, b)
 
 
-def _plan(top_k_ids: torch.Tensor, experts: int, align_max_pairs: int) -> torch.Tensor:
-    """kernels/moe_experts_grouped.py's plan: its align kernel, or its torch plan past one program."""
-    pairs = top_k_ids.numel()
-    plan = torch.empty(plan_size(pairs, experts), dtype=torch.int32, device=top_k_ids.device)
-    p_pow2 = triton.next_power_of_2(max(pairs, 1))
-    if p_pow2 <= align_max_pairs and (experts + 1) * p_pow2 < 2**31:  # (int32 sort keys)
-        launch_on_device(top_k_ids, lambda: _align_kernel[(1,)](
-            top_k_ids, plan, experts,
-            PAIRS=pairs, P_POW2=p_pow2, E_BINS=triton.next_power_of_2(experts + 1),
-            num_warps=4 if p_pow2 <= 2048 else 8 if p_pow2 <= 8192 else 16,
-        ))  # fmt: skip
-    else:
-        _torch_plan(top_k_ids, experts, plan)
-    return plan
-
-
 def grouped_experts_fp8(
     hidden: torch.Tensor,
     top_k_ids: torch.Tensor,
@@ -471,7 +455,7 @@ def grouped_experts_fp8(
     dtype, device = hidden.dtype, hidden.device
     y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
     if pairs and intermediate:
-        plan = _plan(top_k_ids, experts, c.align_max_pairs)
+        plan = make_plan(top_k_ids, experts, c.align_max_pairs)
         act = torch.empty(pairs, intermediate, dtype=FP8, device=device)
         act_scale = torch.empty(pairs, triton.cdiv(intermediate, GROUP), dtype=torch.float32, device=device)
         slots = min(experts, pairs)
@@ -491,10 +475,5 @@ def grouped_experts_fp8(
         ))  # fmt: skip
     else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
         y.zero_()
-    launch_on_device(hidden, lambda: _combine_kernel[(tokens, triton.cdiv(hidden_size, c.combine_block))](
-        y, top_k_ids, top_k_weights, out,
-        experts, y.stride(0), out.stride(0),
-        HIDDEN=hidden_size, TOP_K=top_k, OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK=c.combine_block,
-        num_warps=c.combine_warps,
-    ))  # fmt: skip
+    launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
     return out

@@ -256,6 +256,35 @@ def _torch_plan(top_k_ids: torch.Tensor, experts: int, plan: torch.Tensor) -> No
     plan[pairs + 2 * experts + 1] = experts
 
 
+def make_plan(top_k_ids: torch.Tensor, experts: int, align_max_pairs: int) -> torch.Tensor:
+    """The plan of ``top_k_ids`` (contiguous): the align kernel up to ``align_max_pairs`` pairs
+    (a power of two; int32 sort keys), past that ``_torch_plan``."""
+    pairs = top_k_ids.numel()
+    plan = torch.empty(plan_size(pairs, experts), dtype=torch.int32, device=top_k_ids.device)
+    p_pow2 = triton.next_power_of_2(max(pairs, 1))
+    if p_pow2 <= align_max_pairs and (experts + 1) * p_pow2 < 2**31:  # (int32 sort keys)
+        launch_on_device(top_k_ids, lambda: _align_kernel[(1,)](
+            top_k_ids, plan, experts,
+            PAIRS=pairs, P_POW2=p_pow2, E_BINS=triton.next_power_of_2(experts + 1),
+            num_warps=4 if p_pow2 <= 2048 else 8 if p_pow2 <= 8192 else 16,
+        ))  # fmt: skip
+    else:
+        _torch_plan(top_k_ids, experts, plan)
+    return plan
+
+
+def launch_combine(y, top_k_ids, top_k_weights, out, experts: int, block: int, warps: int) -> None:
+    """``out`` [T, H] = sum_k w[t, k] * y[(t, k)] over each token's real pairs, in k order."""
+    tokens, top_k = top_k_ids.shape
+    hidden_size = out.shape[1]
+    launch_on_device(out, lambda: _combine_kernel[(tokens, triton.cdiv(hidden_size, block))](
+        y, top_k_ids, top_k_weights, out,
+        experts, y.stride(0), out.stride(0),
+        HIDDEN=hidden_size, TOP_K=top_k, OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK=block,
+        num_warps=warps,
+    ))  # fmt: skip
+
+
 def grouped_experts(
     hidden: torch.Tensor,
     top_k_ids: torch.Tensor,
@@ -281,23 +310,14 @@ def grouped_experts(
     c = config
     if c.block_m < 16 or c.block_m & (c.block_m - 1):
         raise ValueError(f"block_m {c.block_m}: tl.dot takes a power of two >= 16")
-    p_pow2 = triton.next_power_of_2(max(pairs, 1))
     if tokens == 0 or hidden_size == 0:
         return out
     dtype, device = hidden.dtype, hidden.device
     y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
     if pairs and intermediate:
-        plan = torch.empty(plan_size(pairs, experts), dtype=torch.int32, device=device)
+        plan = make_plan(top_k_ids, experts, c.align_max_pairs)
         act = torch.empty(pairs, intermediate, dtype=dtype, device=device)
         slots = min(experts, pairs)
-        if p_pow2 <= c.align_max_pairs and (experts + 1) * p_pow2 < 2**31:  # (int32 sort keys)
-            launch_on_device(hidden, lambda: _align_kernel[(1,)](
-                top_k_ids, plan, experts,
-                PAIRS=pairs, P_POW2=p_pow2, E_BINS=triton.next_power_of_2(experts + 1),
-                num_warps=4 if p_pow2 <= 2048 else 8 if p_pow2 <= 8192 else 16,
-            ))  # fmt: skip
-        else:
-            _torch_plan(top_k_ids, experts, plan)
         launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, c.gate_up_block_n))](
             hidden, gate_up_proj, act, plan,
             experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
@@ -314,10 +334,5 @@ def grouped_experts(
         ))  # fmt: skip
     else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
         y.zero_()
-    launch_on_device(hidden, lambda: _combine_kernel[(tokens, triton.cdiv(hidden_size, c.combine_block))](
-        y, top_k_ids, top_k_weights, out,
-        experts, y.stride(0), out.stride(0),
-        HIDDEN=hidden_size, TOP_K=top_k, OUT_DTYPE=_TL_DTYPES[out.dtype], BLOCK=c.combine_block,
-        num_warps=c.combine_warps,
-    ))  # fmt: skip
+    launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
     return out
