@@ -121,10 +121,6 @@ def site_gemms(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return list(first.values())
 
 
-def is_site(node) -> bool:
-    return is_expert_gemm(node) and node in site_gemms(node.graph)
-
-
 def _activation(gemm_out: torch.fx.Node, inter: int) -> torch.fx.Node:
     """The node computing SiLU(gate) * up from the gate/up GEMM's output; checks the split."""
     split = _only_user(gemm_out, "the gate/up GEMM's output")
@@ -204,10 +200,10 @@ def _grouped(gemm: torch.fx.Node) -> dict:
     if down_gemm.args[2] is not offsets:
         raise _Miss("the down GEMM's group offsets are not the gate/up GEMM's")
     down = _permuted_weight(down_gemm.args[1], "down")
-    weighted = _only_user(_unmasked_user(down_gemm), "the down GEMM's output")
+    product = _unmasked_user(down_gemm)
+    weighted = _only_user(product, "the down GEMM's output")
     if not _is(weighted, aten.mul.Tensor):
         raise _Miss(f"the down outputs are not scaled by the routing weights ({weighted.name} {target(weighted)})")
-    product = _unmasked_user(down_gemm)
     scale = weighted.args[1] if weighted.args[0] is product else weighted.args[0]
     weights = _routing_weights(scale, perm)
     restored = _only_user(weighted, "the weighted outputs")
