@@ -556,24 +556,27 @@ def gdn_sites(model: torch.nn.Module) -> dict[str, int]:
 
 def mla_sites(model: torch.nn.Module) -> dict[str, int]:
     """MLA attention (a ``kv_a_layernorm``: DeepSeek V3 / V3.2, Kimi-K2): its kv and q RoPE sites
-    (mla_prologue), and the k and q RoPE sites of a DSA ``indexer`` where it has one."""
+    (mla_prologue), and the k and q RoPE sites of a DSA ``indexer`` where it has one (a GLM-MoE-DSA
+    "shared" layer's ``indexer`` is None: it reuses an earlier layer's top-k)."""
     mla: dict[str, int] = {}
     families = attention_families(model)
     for name, module in model.named_modules():
         if hasattr(module, "kv_a_layernorm") and families.get(name, (None,))[0] == "mla_prologue":
             mla[name] = 2
-            if hasattr(module, "indexer"):
+            if getattr(module, "indexer", None) is not None:
                 mla[f"{name}.indexer"] = 2
     return mla
 
 
 def dsa_mask_sites(model: torch.nn.Module) -> dict[str, int]:
     """DSA indexers (an MLA attention's ``indexer``) whose top-k the attention scatters into its
-    mask (HF's eager and SDPA paths; flash-mla reads the indices): one dsa_topk_mask site each."""
+    mask (HF's eager and SDPA paths; flash-mla reads the indices): one dsa_topk_mask site each. A
+    layer that reuses an earlier layer's top-k (``indexer`` None) has no site: that indexer's one
+    fused mask stands for its scatter too."""
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         return {}
     return {f"{name}.indexer": 1 for name, module in model.named_modules()
-            if hasattr(module, "kv_a_layernorm") and hasattr(module, "indexer")}  # fmt: skip
+            if hasattr(module, "kv_a_layernorm") and getattr(module, "indexer", None) is not None}  # fmt: skip
 
 
 def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -9,8 +9,10 @@ the same mask with a score kernel and a radix select.
 
 Keyed on the graph, not on module names: a site is a ``topk`` whose indices (through dtype
 casts) are scattered as ``False`` into an all-``True`` mask of the scores' shape, HF's top-k
-mask. (DeepSeek's group routing scatters its top groups as 1 into zeros, and our FP8 reference
-indexer, token-major, its top-k as True into zeros: neither is a site.)
+mask; where later layers reuse that top-k (GLM-MoE-DSA's "shared" layers) and scatter it the
+same way, the site is the one top-k and its mask replaces every scatter. (DeepSeek's group
+routing scatters its top groups as 1 into zeros, and our FP8 reference indexer, token-major,
+its top-k as True into zeros: neither is a site.)
 It fuses when the scores are, as post-grad graphs spell HF's code,
 
     where(~mask, -inf, s) | s + mask | s,   s = (w' @ relu((q' @ k'^T) * scale)) squeezed
@@ -108,20 +110,28 @@ def _scalar_mul(node) -> tuple[torch.fx.Node, float] | None:
     return None
 
 
-def _scatter_of(topk: torch.fx.Node) -> torch.fx.Node | None:
-    """The scatter of ``topk``'s indices as False into an all-True mask of the scores' shape
-    (HF's sparse mask: True = masked out), when that is what they are for."""
+def _scatters_of(topk: torch.fx.Node) -> list[torch.fx.Node]:
+    """The scatters of ``topk``'s indices as False into all-True masks of the scores' shape
+    (HF's sparse mask: True = masked out), when that is all they are for; else []. Several where
+    layers share one indexer's top-k (GLM-MoE-DSA's "shared" layers scatter the previous full
+    layer's indices into their own mask): each is the same mask."""
     indices = [u for u in topk.users if target(u) is operator.getitem and u.args[1] == 1]
-    node = indices[0] if len(indices) == 1 else None
-    while node is not None and len(node.users) == 1:
-        (node,) = node.users
+    if len(indices) != 1:
+        return []
+    scatters, todo = [], list(indices[0].users)
+    while todo:
+        node = todo.pop()
         if target(node) is aten.scatter.value:
             base, dim, _, value = node.args
             mask_like = _is_full(base, True) and val_shape(base) == val_shape(topk.args[0])
-            return node if mask_like and dim in (-1, len(val_shape(base)) - 1) and value is False else None
-        if target(node) not in CASTS:
-            return None
-    return None
+            if not (mask_like and dim in (-1, len(val_shape(base)) - 1) and value is False):
+                return []
+            scatters.append(node)
+        elif target(node) in CASTS:
+            todo.extend(node.users)
+        else:
+            return []
+    return scatters
 
 
 def _masked_scores(x: torch.fx.Node):
@@ -231,8 +241,8 @@ def fuse_dsa_topk_masks(graph: torch.fx.Graph) -> list[Site]:
     op = torch.ops.fusion_compiler.dsa_topk_mask.default
     sites = []
     for topk in [n for n in graph.nodes if target(n) is aten.topk.default]:
-        scatter = _scatter_of(topk)
-        if scatter is None:
+        scatters = _scatters_of(topk)
+        if not scatters:
             continue  # indices used as indices (MoE routing, a sparse-attention gather), other masks
         site = Site(FAMILY, "missed", None, module_path(topk), topk.name)
         try:
@@ -251,7 +261,7 @@ def fuse_dsa_topk_masks(graph: torch.fx.Graph) -> list[Site]:
             site.reason, site.stopped_at, site.chain = f"the fused op does not take this site: {err}", topk.name, chain(topk, topk)
             sites.append(site)
             continue
-        with graph.inserting_before(scatter):
+        with graph.inserting_before(topk):  # its inputs are the op's
             if found["k_cast"] is not None:
                 cast = graph.call_function(torch.ops.prims.convert_element_type.default, (args[1], found["k_cast"]))
                 cast.meta["val"] = vals[1]
@@ -260,8 +270,9 @@ def fuse_dsa_topk_masks(graph: torch.fx.Graph) -> list[Site]:
             keep.meta["val"] = keep_val
             not_kept = graph.call_function(aten.bitwise_not.default, (keep,))
             not_kept.meta["val"] = ~keep.meta["val"]
-        scatter.replace_all_uses_with(not_kept)
-        graph.erase_node(scatter)
+        for scatter in scatters:
+            scatter.replace_all_uses_with(not_kept)
+            graph.erase_node(scatter)
         _fold_and(not_kept, keep, found["mask"], graph)
         site.status, site.variant = "matched", _variant(found["mask"])
         sites.append(site)
