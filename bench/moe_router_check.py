@@ -9,7 +9,7 @@ and Qwen3.5 (4096 -> 512, softmax, bf16 logits), bf16 operands:
           (so only ulp-level exp/sigmoid differences remain), and ids vs the cuBLAS-logits
           reference as sets, with differing tokens classified by the score gap they straddle;
   split   per token count 1..256, kernels and CUDA-graph µs of ours as shipped (one launch up
-          to FUSED_GEMM_MAX_TOKENS, else GEMM + routing), of both forms at <= 16 tokens, and of
+          to FUSED_GEMM_MAX_TOKENS, else GEMM + routing), of both forms at every count, and of
           cuBLAS + the routing kernel: what FUSED_GEMM_MAX_TOKENS should be;
   shape   the GEMM launch's program target / split cap alternatives at 1 and 16 tokens;
   cublas  kernels and µs of cuBLAS + routing, with the GEMM as logits = h @ W^T and as
@@ -346,11 +346,11 @@ def main():
             entry = {"tokens": t, "ours_kernels": count_cuda_kernels(lambda: _fused(a)).count,
                      "ours_us": common.graph_time_us(lambda i: _fused(a), 1),
                      "cublas_plus_route_us": common.graph_time_us(lambda i: _cublas(a), 1)}
-            if t <= 16:  # both forms, whatever the shipped split (FUSED_GEMM_MAX_TOKENS)
-                for label, split_at in (("one_launch", 16), ("two_launches", 0)):
-                    config = K.MoeRouteConfig(fused_gemm_max_tokens=split_at)
-                    entry[f"{label}_kernels"] = count_cuda_kernels(lambda: _fused(a, config=config)).count
-                    entry[f"{label}_us"] = common.graph_time_us(lambda i: _fused(a, config=config), 1)
+            # both forms at every count, whatever the shipped split (FUSED_GEMM_MAX_TOKENS)
+            for label, split_at in (("one_launch", 256), ("two_launches", 0)):
+                config = K.MoeRouteConfig(fused_gemm_max_tokens=split_at)
+                entry[f"{label}_kernels"] = count_cuda_kernels(lambda: _fused(a, config=config)).count
+                entry[f"{label}_us"] = common.graph_time_us(lambda i: _fused(a, config=config), 1)
             split.append(entry)
             print(name, entry, flush=True)
         row["split"] = split

@@ -55,7 +55,7 @@ from .moe_route_select import _moe_route_kernel
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-16"
+KERNEL_VERSION = "moe_route-17"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,10 +64,13 @@ _GROUP_TOP = 2  # DeepSeek V3 scores a group by the sum of its 2 best experts
 # The launch tables (H200, CUDA-graph µs, DeepSeek / MiniMax / Qwen3.5; bench/NOTES.md section 7).
 #
 # Up to this many tokens the router GEMM and the routing are one launch (the last programs of the
-# GEMM route, one token each); above it, two launches. At most one token tile (BLOCK_T 16). One
-# launch 7.17 / 6.06 / 8.83 at 1 token and 8.13 / 6.94 / 9.66 at 2, against two launches'
-# 8.3-9.4 / 6.8-7.5 / 10.4-11.3 at 1-16 tokens.
-FUSED_GEMM_MAX_TOKENS = 16
+# GEMM route, one token each); above it, two launches. One launch 7.17 / 6.06 / 8.83 at 1 token
+# and 8.13 / 6.94 / 9.66 at 2, against two launches' 8.3-9.4 / 6.8-7.5 / 10.4-11.3 at 1-16
+# tokens. Above 16 tokens (several token tiles, 64-column GEMM steps) the same tail routes them.
+FUSED_GEMM_MAX_TOKENS = 256
+# At most this many routers (min(T, programs)) wait for the GEMM's last program: fewer than an
+# H200's 132 SMs, so the programs they wait for always find a slot. Past it, two launches.
+MAX_ROUTERS = 128
 TARGET_PROGRAMS = 128  # about one per SM: enough loads in flight to stream the router weight
 MAX_SPLIT = 8  # hidden-dim splits at most (64-column steps; ignored by one span per program)
 # The GEMM of the <= 16-token launch: each program reads one span of the hidden dim in one tile,
@@ -390,7 +393,8 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
 
     columns = experts + has_gate
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid, config)
-    fused = tokens <= min(config.fused_gemm_max_tokens, block_t)
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
+    fused = tokens <= config.fused_gemm_max_tokens and min(tokens, grid[0] * grid[1] * grid[2]) <= MAX_ROUTERS
     pollable = fused and poll_rows(meta["G_PAD"] * meta["GS_PAD"], num_warps, config)
     # Every fused call makes the one-token buffer (for the one-token launch's split, which the
     # GEMV shape sets apart from 2-16 tokens'), so a warm-up at any of those counts lets a later
@@ -406,7 +410,6 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     bias_arg = bias if bias is not None else logits
     stride_b = bias.stride(0) if bias is not None else 0
     fp32_dot = not (hidden.dtype == router_weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16))
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
     gemm_meta, gemm_options = gemm_variant_meta(block_t, config)
 
     def _launch():

@@ -57,7 +57,7 @@ def _router_gemm_kernel(
     K_STEPS: tl.constexpr,  # BLOCK_K steps per split of the hidden dim
     SPLIT: tl.constexpr,  # hidden-dim splits (grid axis 2)
     FP32_DOT: tl.constexpr,  # operands are not both bf16 / both fp16: fp32 dot, IEEE
-    ROUTE: tl.constexpr,  # the GEMM's programs also route the T <= BLOCK_T tokens (below)
+    ROUTE: tl.constexpr,  # the GEMM's programs also route the T tokens (below)
     HAS_GATE: tl.constexpr,  # GATE_W [1, H] is GEMM column E (Qwen's shared-expert gate)
     GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -78,8 +78,9 @@ def _router_gemm_kernel(
     COUNTERS[0] (acq_rel).  The last R = min(T, programs) programs to arrive route the tokens:
     router r = programs - 1 - arrival takes tokens r, r + R, ..., after waiting until every
     program has arrived.  Only programs that
-    have finished their GEMM wait, and they are at most R - 1 <= 15, so the programs they wait
-    for always find a free slot on the GPU: no grid-wide co-residency is assumed.  The last one
+    have finished their GEMM wait, and they are at most R - 1 < MAX_ROUTERS (the launcher's cap,
+    below an H200's 132 SMs), so the programs they wait for always find a free slot on the GPU:
+    no grid-wide co-residency is assumed.  The last one
     to leave (COUNTERS[1]; with one router, no second atomic) zeroes both
     counters for the next launch.  With POLL (one token) there are no counters: see below.
     Triton's interpreter runs
@@ -126,12 +127,14 @@ def _router_gemm_kernel(
         arrival = tl.atomic_add(COUNTERS, 1, sem="acq_rel", scope="gpu")
         if INTERPRETER:
             if arrival == programs - 1:
-                for row in tl.static_range(BLOCK_T):
-                    _route_row(tl.full([], row, tl.int32), PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
+                row = tl.zeros([], tl.int32)
+                while row < T:  # (a while: the interpreter's range takes no runtime bounds)
+                    _route_row(row, PARTIALS, LOGITS, BIAS, WEIGHTS, IDS, GATE, T, E,
                                stride_ps, stride_pt, stride_lt, 1, stride_b, stride_wt, stride_wk, stride_it,
                                stride_ik, stride_g, renorm_eps, scale, SPLIT, HAS_GATE, GROUP_SIZE, N_GROUP,
                                TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, SCORING, HAS_BIAS, RENORMALIZE,
                                SELECT, TAIL_LOADS, KEYS, WARPS)
+                    row += 1
                 tl.store(COUNTERS, 0)
         elif arrival >= programs - tl.minimum(T, programs):
             routers = tl.minimum(T, programs)  # a narrow GEMM can have fewer programs than tokens

@@ -23,6 +23,31 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 REPLAYS = 100
 
 
+def _replay_and_check(launch, replays, spec, inputs, outputs, gen):
+    """``launch`` captured once, then replayed on fresh decisive hidden states (``inputs``' x
+    refilled, ``outputs`` poisoned before each replay): logits against float64 within rounding,
+    the routing against float64's, the shared-expert gate (if any) against sigmoid's."""
+    x, w, bias, gate_w = inputs
+    logits, weights, ids, gate = outputs
+    routing = spec[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for step in range(replays):
+        fresh, ref, logits64, slack = decisive_hidden(spec, w, bias, x.shape[0], gen)
+        x.copy_(fresh)
+        for out in (logits, weights) + ((gate,) if gate is not None else ()):
+            out.fill_(float("nan"))
+        ids.fill_(-1)
+        graph.replay()
+        bad = (logits.double() - logits64).abs() > slack
+        assert not bool(bad.any()), f"replay {step}: {int(bad.sum())} logits off float64 by more than rounding"
+        assert_routes(weights, ids, ref, routing, f"replay {step}")
+        if gate is not None:
+            assert_rows_close(gate, torch.sigmoid(x.double() @ gate_w.double().t()), 2**-7, f"replay {step}: gate")
+    torch.cuda.synchronize()
+
+
 @requires_cuda
 @pytest.mark.parametrize("model", list(ROUTERS))
 def test_one_token_router_replays_in_a_graph(model):
@@ -42,22 +67,7 @@ def test_one_token_router_replays_in_a_graph(model):
         K.moe_router_fwd(named, x, w, logits, weights, ids, gate_weight=gate_w, gate=gate)
 
     launch()  # uncaptured first: fills the partial-sum buffer with the unwritten bits
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    for step in range(REPLAYS):
-        fresh, ref, logits64, slack = decisive_hidden(spec, w, bias, 1, gen)
-        x.copy_(fresh)
-        for out in (logits, weights) + ((gate,) if has_gate else ()):
-            out.fill_(float("nan"))
-        ids.fill_(-1)
-        graph.replay()
-        bad = (logits.double() - logits64).abs() > slack
-        assert not bool(bad.any()), f"replay {step}: {int(bad.sum())} logits off float64 by more than rounding"
-        assert_routes(weights, ids, ref, routing, f"replay {step}")
-        if has_gate:
-            assert_rows_close(gate, torch.sigmoid(x.double() @ gate_w.double().t()), 2**-7, f"replay {step}: gate")
-    torch.cuda.synchronize()
+    _replay_and_check(launch, REPLAYS, spec, (x, w, bias, gate_w), (logits, weights, ids, gate), gen)
     buffers = [b for key, b in K._POLLED.items() if key[2] == experts + has_gate]
     assert buffers and all(bool((b.view(torch.int32) == -1).all()) for b in buffers), "partials left written"
 
@@ -94,3 +104,34 @@ def test_one_token_capture_needs_a_fused_call_first():
             graph.replay()
             assert not bool(((logits.double() - logits64).abs() > slack).any()), "logits"
             assert_routes(weights, ids, ref, routing, "captured one-token call")
+
+
+@requires_cuda
+@pytest.mark.parametrize("tokens", [64, 256])
+@pytest.mark.parametrize("model", list(ROUTERS))
+def test_several_token_tiles_route_in_one_launch_replayed(model, tokens):
+    """Past 16 tokens the shipped policy still routes in the GEMM's launch (several token tiles,
+    min(T, programs) routers waiting on the arrival counter): one kernel, captured and replayed
+    on fresh decisive inputs, each replay's logits and routing against float64, and the
+    counters back at zero for the next launch."""
+    from fusion_compiler.inspect.counting import count_cuda_kernels
+
+    spec = ROUTERS[model]
+    hidden_size, experts, routing, logits_dtype, _, has_gate = spec
+    gen = generator(tokens)
+    w, bias, gate_w = router_weights(spec, gen)
+    x = torch.zeros(tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
+    named = dict(zip(_ROUTER_ARG_NAMES, (x, w, bias, *routing, logits_dtype, gate_w)))
+    top_k, weights_dtype = routing[0], routing[-1]
+    logits = torch.empty(tokens, experts, device="cuda", dtype=logits_dtype)
+    weights = torch.empty(tokens, top_k, device="cuda", dtype=weights_dtype)
+    ids = torch.empty(tokens, top_k, device="cuda", dtype=torch.int64)
+    gate = torch.empty(tokens, 1, device="cuda", dtype=torch.bfloat16) if has_gate else None
+
+    def launch():
+        K.moe_router_fwd(named, x, w, logits, weights, ids, gate_weight=gate_w, gate=gate)
+
+    launch()  # uncaptured first: makes the counters
+    assert count_cuda_kernels(launch).count == 1
+    _replay_and_check(launch, 20, spec, (x, w, bias, gate_w), (logits, weights, ids, gate), gen)
+    assert all(c.tolist() == [0, 0] for c in K._COUNTERS.values()), "counters left non-zero"

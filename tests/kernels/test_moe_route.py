@@ -170,7 +170,7 @@ def build_args(c: dict, ties: bool) -> tuple:
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-16"
+    assert KERNEL_VERSIONS["moe_routing"] == K.KERNEL_VERSION == "moe_route-17"
 
 
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -351,8 +351,8 @@ def assert_router_matches_reference(args: tuple, config: K.MoeRouteConfig | None
 @st.composite
 def router_configs(draw):
     c = draw(configs())
-    c["fused"] = draw(st.booleans())  # one launch (<= 16 tokens) or GEMM + routing launches
-    c["tokens"] = draw(st.integers(1, 16) if c["fused"] else st.integers(1, 40))
+    c["fused"] = draw(st.booleans())  # one launch (several token tiles past 16) or GEMM + routing launches
+    c["tokens"] = draw(st.integers(1, 40))
     c["hidden_size"] = draw(st.sampled_from([8, 48, 100, 300]))
     return c
 
@@ -363,14 +363,14 @@ def test_router_gemm_tie_free_matches_reference(c):
     args = router_args(c, c["hidden_size"], duplicate_rows=False)
     ref_logits = moe_router_reference(*args)[2]
     assume(ranking_gaps_ok((ref_logits,) + args[2:8]))
-    assert_router_matches_reference(args, fused_up_to(16 if c["fused"] else 0))
+    assert_router_matches_reference(args, fused_up_to(256 if c["fused"] else 0))
 
 
 @settings(max_examples=examples(8), deadline=None)
 @given(c=router_configs())
 def test_router_gemm_tie_heavy_matches_reference(c):
     assert_router_matches_reference(router_args(c, c["hidden_size"], duplicate_rows=True),
-                                    fused_up_to(16 if c["fused"] else 0))
+                                    fused_up_to(256 if c["fused"] else 0))
 
 
 def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
@@ -385,6 +385,11 @@ def test_router_gemm_deepseek_shape_and_counter_reset(monkeypatch):
     args = router_args(c, 64, duplicate_rows=False)
     assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
     assert_router_matches_reference(args, fused_up_to(16))
+    assert counters.tolist() == [0, 0]
+    c.update(tokens=40, seed=20)  # several token tiles (BLOCK_T 32 past 16 tokens), one launch
+    args = router_args(c, 128, duplicate_rows=False)
+    assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
+    assert_router_matches_reference(args, fused_up_to(256))
     assert counters.tolist() == [0, 0]
 
 
@@ -446,8 +451,8 @@ def test_router_gemm_rejects_what_it_cannot_do():
         K.moe_router_fwd(named, hidden, weight[:, :4], torch.empty(4, 16, device=DEVICE), *out)
 
 
-# 5: one launch; 37: two launches with 3 token tiles, nightly (9 s; the CI tier's shared-gate test
-# takes the two launches at 21 tokens).
+# 5: one token tile; 37: 3 token tiles, one launch too (the shipped policy fuses up to 256 tokens),
+# nightly (9 s; the CI tier's shared-gate test takes both forms at 21 tokens).
 @pytest.mark.parametrize("tokens", [5, pytest.param(37, marks=pytest.mark.nightly)])
 def test_router_gemm_hidden_splits(monkeypatch, tokens):
     """Many hidden splits and steps (300 = 5 x 64 - 20: a masked tail in the last split), summed
@@ -462,13 +467,13 @@ def test_router_gemm_hidden_splits(monkeypatch, tokens):
     assert_router_matches_reference(args)
 
 
-@pytest.mark.parametrize("tokens, fused", [(3, True), (3, False), (21, False)])
+@pytest.mark.parametrize("tokens, fused", [(3, True), (3, False), (21, False), (21, True)])
 def test_router_gemm_with_the_shared_expert_gate(tokens, fused):
     """Qwen's shared-expert gate as one more GEMM column: sigmoid(F.linear(hidden, gate_weight))."""
     c = dict(tokens=tokens, experts=64, n_group=1, topk_group=1, top_k=10, scoring=1, has_bias=False, renormalize=True,
              renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.bfloat16, seed=5)
     assert_router_matches_reference(router_args(c, 100, duplicate_rows=True, gate=True),
-                                    fused_up_to(16 if fused else 0))
+                                    fused_up_to(256 if fused else 0))
 
 
 @pytest.mark.parametrize("gate", [False, True])
