@@ -70,6 +70,9 @@
 #                            grouped_mm experts vs torch._grouped_mm, % of the copy bandwidth over
 #                            the touched experts' bytes, into $OUT/moe_experts_results.tgz (JSON
 #                            written after every row). MOE_EXPERTS_SECONDS (480) bounds it; ~5 min
+#   moe-launches [ARGS...]   issue 27's launch count: the moe kernels' GPU tests, the router's one
+#                            launch vs two at 1-256 tokens, then bench/moe_experts.py ARGS (scan
+#                            and plan modes side by side), into $OUT/moe_launches_results.tgz
 # One-off calls of past sessions are in bench/diagnostics/*_gpu_run.sh.
 OUT=${OUT:-/tmp/out}
 phase=${1:-}; shift || true
@@ -254,6 +257,23 @@ gqa-tp)
   nvidia-smi -L | tee -a "$R/versions.log"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/patterns/test_gqa_prologue_tp.py 2>&1 | tail -n 30 | tee "$R/tp_tests_cuda.log"
   pack tp_results
+  ;;
+moe-launches)
+  # Issue 27's kernel count: the routing and experts kernels' GPU tests, the router's one launch
+  # against two at 1-256 tokens (bench/moe_router_check.py check,split), then the experts alone
+  # (scan mode's 2 launches beside the plan mode's 4) at the token counts in ARGS.
+  R=$OUT/moe_launches_results
+  source bench/device_setup.sh "$R"
+  run_tests moe_kernel_tests 200 -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
+    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
+  timeout 150 python3 bench/moe_router_check.py --parts check,split \
+    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
+  echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 40
+  limit=$((570 - SECONDS))
+  timeout "$limit" python3 bench/moe_experts.py --seconds $((limit - 40)) \
+    --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
+  echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
+  pack moe_launches_results
   ;;
 moe-experts)
   R=$OUT/moe_experts_results

@@ -64,7 +64,7 @@ TOKENS = (1, 8, 64, 256)
 MODES = ("ours", "stock_inductor", "grouped_mm", "eager")
 # Each kernel path of ours at every token count (CUDA only): where the op's dispatch
 # (ops/moe_experts.SMALL_BATCH_MAX_TOKENS) should switch from the one to the other.
-KERNEL_PATHS = ("ours_small_batch", "ours_grouped")
+KERNEL_PATHS = ("ours_small_batch", "ours_grouped", "ours_grouped_plan")
 ROTATIONS = 4
 OURS_TOLERANCE = 1e-2
 BARS = {1: 70.0, 64: 60.0}  # tokens -> % of the copy bandwidth ours must reach
@@ -192,11 +192,21 @@ def kernel_path_fns(experts: torch.nn.Module) -> dict:
     from fusion_compiler.kernels.moe_experts import small_batch_experts
     from fusion_compiler.kernels.moe_experts_grouped import grouped_experts
 
-    def path(kernel):
-        return lambda hidden, top_k_ids, top_k_weights: kernel(hidden, top_k_ids, top_k_weights, experts.gate_up_proj,
-                                                              experts.down_proj)  # fmt: skip
+    from fusion_compiler.kernels.moe_experts_grouped import default_config
 
-    return {"ours_small_batch": path(small_batch_experts), "ours_grouped": path(grouped_experts)}
+    def path(kernel, **config_fields):
+        def run(hidden, top_k_ids, top_k_weights):
+            config = None
+            if config_fields:
+                shape = (hidden.shape[0], top_k_ids.shape[1], *experts.down_proj.shape)
+                config = dataclasses.replace(default_config(*shape), **config_fields)
+            return kernel(hidden, top_k_ids, top_k_weights, experts.gate_up_proj, experts.down_proj, config)
+
+        return run
+
+    # ours_grouped: scan mode up to 4096 pairs (2 launches); ours_grouped_plan: the plan mode's 4
+    return {"ours_small_batch": path(small_batch_experts), "ours_grouped": path(grouped_experts),
+            "ours_grouped_plan": path(grouped_experts, scan_max_pairs=0)}  # fmt: skip
 
 
 def run_row(name: str, experts: torch.nn.Module, compiled, tokens: int, args, env: dict) -> dict:

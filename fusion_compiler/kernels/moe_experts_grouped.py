@@ -4,29 +4,42 @@
 all its pairs with ``tl.dot`` tiles. The op's semantics and rounding points:
 ``ops/moe_experts.moe_experts_reference``.
 
-Four launches, P = T * k pairs, gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj
-[E, H, I], S = min(E, P) expert slots (at most that many experts can be touched):
+P = T * k pairs, gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I],
+S = min(E, P) expert slots (at most that many experts can be touched). Two modes.
 
-    align,   grid (1,):                one program loads all P ids, maps padding (an id outside
-                                       [0, E): -1, or HF's expert-parallel sentinel >= E) past the
-                                       last expert, sorts the keys ``expert * P_POW2 + pair`` with
+Scan mode (up to ``GroupedConfig.scan_max_pairs`` pairs, every decode batch): two launches.
+
+    gate_up, grid (S, cdiv(I, BN)):    each program histograms all P ids (padding, an id outside
+                                       [0, E), in bin E) and takes the slot-th touched expert in
+                                       id order; BLOCK_M of its pairs at a time are picked out of
+                                       the ids in pair order (a hit's rank by cumsum, the ids read
+                                       ``scan_chunk`` at a time); x rows gathered by token =
+                                       pair // k; act[pair] = silu(gate) * up written in the
+                                       ORIGINAL pair order (no permuted copy); program (0, 0) also
+                                       zeroes the down kernel's arrival counters [T, cdiv(H, BN)]
+                                       and the output rows of tokens with only padding pairs;
+    down,    grid (S, cdiv(H, BN)):    the same pairs over act: y[pair] = W_down[e] @ act[pair],
+                                       rounded to hidden's dtype (the reference's rounding point)
+                                       and stored; then each pair arrives at its (token, column
+                                       block) counter (a barrier, then an acq_rel atomic), and the
+                                       program whose arrival completes a token's real pairs sums
+                                       its k y rows in k order: out[t] = sum_k float(w[t, k]) *
+                                       float(y[(t, k)]), rounded once (deterministic, no float
+                                       atomics; the same bits as the combine kernel's).
+
+Plan mode (past it: long prefills, where every program would re-read P ids per tile): four.
+
+    align,   grid (1,):                one program loads all P ids, maps padding past the last
+                                       expert, sorts the keys ``expert * P_POW2 + pair`` with
                                        ``tl.sort`` and writes the plan: the pairs in expert order,
                                        per-expert offsets [E + 1] (histogram, exclusive cumsum),
                                        the touched experts compacted into slots, and their count;
-    gate_up, grid (S, cdiv(I, BN)):    slot s's expert, BLOCK_M of its pairs at a time (a run
-                                       longer than BLOCK_M loops; the program's weight rows come
-                                       again from L2), x rows gathered by token = pair // k;
-                                       act[pair] = silu(gate) * up written in the ORIGINAL pair
-                                       order (no permuted copy); a slot past the touched count
-                                       loops zero times;
-    down,    grid (S, cdiv(H, BN)):    the same over act: y[pair] = W_down[e] @ act[pair],
-                                       rounded to hidden's dtype (the reference's rounding point,
-                                       so y is stored in that dtype: half the fp32 bytes);
+    gate_up, down:                     as above, each slot's run read from the plan; y written;
     combine, grid (T, cdiv(H, BLOCK)): out[t] = sum_k float(w[t, k]) * float(y[(t, k)]) in k
-                                       order (deterministic, no atomics), padding pairs skipped
-                                       (their y rows are never written), rounded once.
+                                       order, padding pairs skipped, rounded once.
 
-Padding pairs are never gathered by the GEMM kernels (they sort past the last expert's offset),
+Padding pairs are never gathered by the GEMM kernels (they match no expert's scan, and sort past
+the last expert's offset in a plan),
 so no weight is read for them and a token with only padding pairs gets zeros. The order of the
 pairs inside one expert's run does not change any bit: a ``tl.dot`` row depends only on its own
 row. No host sync, no data-dependent shapes (the grids depend on T, k, E, H, I only): a CUDA graph
@@ -53,7 +66,7 @@ from ._device import launch_on_device, mma
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, prepare, silu_mul_rounded
 
-KERNEL_VERSION = "moe_experts_grouped-1"
+KERNEL_VERSION = "moe_experts_grouped-2"
 
 # Pairs per expert a GEMM program takes at once: tl.dot needs >= 16 rows; the average run
 # (P / E) sets it up to 64, past which a longer run loops (e.g. MiniMax at 64 tokens: 512 pairs
@@ -85,6 +98,13 @@ class GroupedConfig:
     # (8192 tokens x top 8) needed 256 KB of shared memory on an H200 (limit 227 KB). Past this
     # many, the plan comes from torch on the device instead (``_torch_plan``: no host sync either).
     align_max_pairs: int = 16384
+    # Up to this many pairs, scan mode (2 launches): every GEMM program finds its slot's expert
+    # and pairs in the ids itself (a histogram of all P ids, then a cumsum rank per tile,
+    # ``scan_chunk`` ids at a time), and the down kernel combines (arrival counters), so there is
+    # no align and no combine launch. Past it (long prefills: every program would re-scan
+    # P ids per tile), plan mode: align, gate/up, down, combine. 0: always plan mode.
+    scan_max_pairs: int = 4096
+    scan_chunk: int = 256
 
 
 def default_config(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int) -> GroupedConfig:
@@ -137,8 +157,8 @@ def _align_kernel(ids_ptr, plan_ptr, experts, PAIRS: tl.constexpr, P_POW2: tl.co
 
 @triton.jit
 def _expert_run(plan_ptr, experts, PAIRS: tl.constexpr):
-    """This program's slot: its expert (int64) and run [start, end) in the sorted pairs; an
-    empty run past the touched count."""
+    """Plan mode: this program's slot, its expert (int64) and run [start, end) in the sorted
+    pairs; an empty run past the touched count."""
     slot = tl.program_id(0)
     live = slot < tl.load(plan_ptr + PAIRS + 2 * experts + 1)
     # Unmasked loads (slot < E: in bounds; a dead slot's entry is stale, replaced by expert 0's
@@ -150,13 +170,86 @@ def _expert_run(plan_ptr, experts, PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _scanned_run(ids_ptr, experts, PAIRS: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr):
+    """Scan mode: this program's slot is the slot-th touched expert in id order (a histogram of
+    all P ids, padding in bin E); its expert (int64) and run [0, count) of its pairs in pair
+    order; an empty run past the touched count."""
+    slot = tl.program_id(0)
+    pair = tl.arange(0, P_POW2)
+    ids = tl.load(ids_ptr + pair, mask=pair < PAIRS, other=-1).to(tl.int64)
+    counts = tl.histogram(tl.where((ids >= 0) & (ids < experts), ids, experts).to(tl.int32), E_BINS)
+    bins = tl.arange(0, E_BINS)
+    touched = ((counts > 0) & (bins < experts)).to(tl.int32)
+    mine = (touched > 0) & (tl.cumsum(touched, 0) - touched == slot)
+    expert = tl.sum(tl.where(mine, bins, 0), 0).to(tl.int64)
+    return expert, 0, tl.sum(tl.where(mine, counts, 0), 0)
+
+
+@triton.jit
+def _tile_pairs(plan_ptr, ids_ptr, expert, m0, end, SCAN: tl.constexpr, PAIRS: tl.constexpr,
+                BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """Pairs m0 .. m0 + BLOCK_M - 1 of the run (int64, 0 past ``end``) and their mask. Plan
+    mode reads them from the sorted plan; scan mode picks the expert's m0-th.. hits in pair order
+    out of the ids, CHUNK at a time (a hit's rank among the expert's hits by cumsum)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    m_ok = rows < end
+    if SCAN:
+        pair = tl.zeros((BLOCK_M,), dtype=tl.int64)
+        seen = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), 0)
+        for c0 in tl.range(0, PAIRS, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            hit = (tl.load(ids_ptr + j, mask=j < PAIRS, other=-1).to(tl.int64) == expert).to(tl.int32)
+            rank = seen + tl.cumsum(hit, 0) - hit
+            pick = (hit[None, :] > 0) & (rank[None, :] == rows[:, None])
+            pair += tl.sum(tl.where(pick, j[None, :].to(tl.int64), 0), 1)
+            seen += tl.sum(hit, 0)
+    else:
+        pair = tl.load(plan_ptr + rows, mask=m_ok, other=0).to(tl.int64)
+    return pair, m_ok
+
+
+@triton.jit
+def _zero_counters_and_empty_rows(
+    ids_ptr, counters_ptr, out_ptr, experts, stride_ot,
+    TOKENS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr, HIDDEN: tl.constexpr, COUNTERS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Scan mode, gate/up's program (0, 0): the down kernel's arrival counters set to 0, and the
+    output rows of tokens with no real pair (only padding ids) set to 0 (no down program writes
+    them)."""
+    for c0 in tl.range(0, COUNTERS, 1024):
+        c = c0 + tl.arange(0, 1024)
+        tl.store(counters_ptr + c, tl.zeros((1024,), dtype=tl.int32), mask=c < COUNTERS)
+    kk = tl.arange(0, K_POW2)
+    for t0 in tl.range(0, TOKENS, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < TOKENS
+        ids = tl.load(ids_ptr + t[:, None] * TOP_K + kk[None, :], mask=t_ok[:, None] & (kk < TOP_K)[None, :], other=-1)
+        empty = t_ok & (tl.sum(((ids >= 0) & (ids < experts)).to(tl.int32), 1) == 0)
+        if tl.sum(empty.to(tl.int32), 0) > 0:
+            zeros = _downcast(tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32), OUT_DTYPE)
+            for h0 in tl.range(0, HIDDEN, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + h[None, :], zeros,
+                         mask=empty[:, None] & (h < HIDDEN)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, plan_ptr,
-    experts, stride_xt, stride_we, stride_wr, stride_ap,
+    x_ptr, w_ptr, act_ptr, plan_ptr, ids_ptr, counters_ptr, out_ptr,
+    experts, stride_xt, stride_we, stride_wr, stride_ap, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
+    COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    if SCAN:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _zero_counters_and_empty_rows(ids_ptr, counters_ptr, out_ptr, experts, stride_ot, PAIRS // TOP_K, TOP_K,
+                                          K_POW2, HIDDEN, COUNTERS, DTYPE, 16, 256)  # fmt: skip
+        expert, start, end = _scanned_run(ids_ptr, experts, PAIRS, P_POW2, E_BINS)
+    else:
+        expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -165,8 +258,7 @@ def _grouped_gate_up_kernel(
     up_ptrs = gate_ptrs + INTER * stride_wr
     m0 = start
     while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
-        m_ok = m0 + m < end
-        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        pair, m_ok = _tile_pairs(plan_ptr, ids_ptr, expert, m0, end, SCAN, PAIRS, BLOCK_M, CHUNK)
         x_ptrs = x_ptr + (pair // TOP_K)[:, None] * stride_xt + k[None, :]
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -182,13 +274,51 @@ def _grouped_gate_up_kernel(
 
 
 @triton.jit
-def _grouped_down_kernel(
-    act_ptr, w_ptr, y_ptr, plan_ptr,
-    experts, stride_ap, stride_we, stride_wr, stride_yp,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+def _combine_arrived(
+    y_ptr, ids_ptr, weights_ptr, out_ptr, counters_ptr, pair, m_ok, n, n_ok,
+    experts, stride_yp, stride_ot,
+    TOP_K: tl.constexpr, K_POW2: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    """Scan mode, the down kernel's epilogue: each of the tile's pairs arrives at its (token,
+    column block) counter once its y columns are stored; the program whose arrival completes a
+    token's real pairs sums that token's k y rows for these columns in k order (as the combine
+    kernel: deterministic, no float atomics) and writes the output. acq_rel arrivals after a
+    barrier: every y store of the arriving programs is visible to the last one's loads (L2, .cg)."""
+    token = pair // TOP_K
+    tl.debug_barrier()  # the whole tile's y stores before its arrivals
+    arrived = tl.atomic_add(counters_ptr + token * tl.num_programs(1) + tl.program_id(1), 1, mask=m_ok,
+                            sem="acq_rel", scope="gpu")  # fmt: skip
+    kk = tl.arange(0, K_POW2)
+    row_ids = tl.load(ids_ptr + token[:, None] * TOP_K + kk[None, :], mask=m_ok[:, None] & (kk < TOP_K)[None, :],
+                      other=-1)  # fmt: skip
+    real = tl.sum(((row_ids >= 0) & (row_ids < experts)).to(tl.int32), 1)
+    last = m_ok & (arrived == real - 1)
+    tl.debug_barrier()  # the acquiring lanes before any thread's loads of the others' y
+    total = tl.zeros((pair.shape[0], n.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # k order: deterministic
+        other = token * TOP_K + j
+        expert = tl.load(ids_ptr + other, mask=last, other=-1).to(tl.int64)
+        ok = last & (expert >= 0) & (expert < experts)
+        weight = _upcast(tl.load(weights_ptr + other, mask=ok, other=0.0))
+        y = tl.load(y_ptr + other[:, None] * stride_yp + n[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        total += _upcast(y) * weight[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + n[None, :], _downcast(total, OUT_DTYPE),
+             mask=last[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, w_ptr, y_ptr, plan_ptr, ids_ptr, weights_ptr, out_ptr, counters_ptr,
+    experts, stride_ap, stride_we, stride_wr, stride_yp, stride_ot,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
+):  # fmt: skip
+    if SCAN:
+        expert, start, end = _scanned_run(ids_ptr, experts, PAIRS, P_POW2, E_BINS)
+    else:
+        expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -196,8 +326,7 @@ def _grouped_down_kernel(
     w_ptrs = w_ptr + expert * stride_we + n[None, :] * stride_wr + k[:, None]  # [BLOCK_K, BLOCK_N]
     m0 = start
     while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
-        m_ok = m0 + m < end
-        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        pair, m_ok = _tile_pairs(plan_ptr, ids_ptr, expert, m0, end, SCAN, PAIRS, BLOCK_M, CHUNK)
         a_ptrs = act_ptr + pair[:, None] * stride_ap + k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
@@ -207,6 +336,9 @@ def _grouped_down_kernel(
         # The expert's GEMM output in the activation dtype (exact in y's dtype).
         tl.store(y_ptr + pair[:, None] * stride_yp + n[None, :], _downcast(acc, DTYPE),
                  mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        if SCAN:
+            _combine_arrived(y_ptr, ids_ptr, weights_ptr, out_ptr, counters_ptr, pair, m_ok, n, n_ok,
+                             experts, stride_yp, stride_ot, TOP_K, K_POW2, DTYPE)  # fmt: skip
         m0 += BLOCK_M
 
 
@@ -295,10 +427,11 @@ def grouped_experts(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fusion_compiler::moe_experts`` (same arguments, the reference's result up to summation
-    order) in four launches: hidden [T, H], ids / weights [T, k], gate_up_proj [E, 2I, H],
-    down_proj [E, H, I] -> [T, H] in hidden's dtype. ``config``: launch shape, ``default_config``
-    by size if None. ``out``: where to write (a [T, H] tensor in hidden's dtype, rows of unit
-    stride; every element is written), a new tensor if None."""
+    order): hidden [T, H], ids / weights [T, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] ->
+    [T, H] in hidden's dtype; two launches up to ``config.scan_max_pairs`` pairs, four past it.
+    ``config``: launch shape, ``default_config`` by size if None. ``out``: where to write (a
+    [T, H] tensor in hidden's dtype, rows of unit stride; every element is written), a new
+    tensor if None."""
     hidden, top_k_ids, top_k_weights, out = prepare(
         "grouped_experts", hidden, top_k_ids, top_k_weights, gate_up_proj, down_proj, out
     )
@@ -310,29 +443,41 @@ def grouped_experts(
     c = config
     if c.block_m < 16 or c.block_m & (c.block_m - 1):
         raise ValueError(f"block_m {c.block_m}: tl.dot takes a power of two >= 16")
+    if c.scan_chunk < 16 or c.scan_chunk & (c.scan_chunk - 1):
+        raise ValueError(f"scan_chunk {c.scan_chunk}: a power of two >= 16")
     if tokens == 0 or hidden_size == 0:
         return out
+    if not (pairs and intermediate):  # no GEMM to run: every real pair's y is 0, so is the sum
+        return out.zero_()
     dtype, device = hidden.dtype, hidden.device
+    scan = pairs <= c.scan_max_pairs
+    down_blocks = triton.cdiv(hidden_size, c.down_block_n)
     y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
-    if pairs and intermediate:
-        plan = make_plan(top_k_ids, experts, c.align_max_pairs)
-        act = torch.empty(pairs, intermediate, dtype=dtype, device=device)
-        slots = min(experts, pairs)
-        launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, c.gate_up_block_n))](
-            hidden, gate_up_proj, act, plan,
-            experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
-            BLOCK_M=c.block_m, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, STAGES=c.gate_up_stages,
-            num_warps=c.gate_up_warps,
-        ))  # fmt: skip
-        launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, triton.cdiv(hidden_size, c.down_block_n))](
-            act, down_proj, y, plan,
-            experts, act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, DTYPE=_TL_DTYPES[dtype],
-            BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k, STAGES=c.down_stages,
-            num_warps=c.down_warps,
-        ))  # fmt: skip
-    else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
-        y.zero_()
-    launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
+    act = torch.empty(pairs, intermediate, dtype=dtype, device=device)
+    if scan:  # (plan's pointer unused)
+        plan, counters = top_k_ids, torch.empty(tokens * down_blocks, dtype=torch.int32, device=device)
+    else:  # (counters' pointer unused)
+        plan, counters = make_plan(top_k_ids, experts, c.align_max_pairs), top_k_ids
+    slots = min(experts, pairs)
+    scan_meta = dict(
+        SCAN=scan, P_POW2=triton.next_power_of_2(pairs) if scan else 16, E_BINS=triton.next_power_of_2(experts + 1),
+        CHUNK=min(c.scan_chunk, triton.next_power_of_2(pairs)), K_POW2=triton.next_power_of_2(top_k),
+    )  # fmt: skip
+    launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, c.gate_up_block_n))](
+        hidden, gate_up_proj, act, plan, top_k_ids, counters, out,
+        experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0), out.stride(0),
+        HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+        BLOCK_M=c.block_m, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, STAGES=c.gate_up_stages,
+        COUNTERS=tokens * down_blocks if scan else 0, **scan_meta,
+        num_warps=c.gate_up_warps,
+    ))  # fmt: skip
+    launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, down_blocks)](
+        act, down_proj, y, plan, top_k_ids, top_k_weights, out, counters,
+        experts, act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0), out.stride(0),
+        HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+        BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k, STAGES=c.down_stages, **scan_meta,
+        num_warps=c.down_warps,
+    ))  # fmt: skip
+    if not scan:
+        launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
     return out

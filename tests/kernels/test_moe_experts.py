@@ -155,16 +155,34 @@ def test_padding_ids_contribute_nothing(kernel, ids_dtype):
     assert relative_error(out, op.moe_experts_reference(x, *zeroed, gate_up, down)) <= SAME_ROUNDING_TOLERANCE
 
 
-def test_grouped_plan_from_torch_past_the_align_kernel():
-    """Past ``align_max_pairs`` the plan comes from torch ops (every expert a slot): the same
-    bits as the align kernel's, padding included."""
+def test_grouped_scan_and_plan_modes_give_the_same_bits():
+    """The grouped kernels' three ways to group the pairs: scan mode (each program finds its
+    expert's pairs in the ids, the down kernel combines on the last arrival), plan mode with the
+    align kernel's plan and the combine launch, and plan mode past ``align_max_pairs`` (the plan
+    from torch ops, every expert a slot): the same bits, padding included (token 2 only
+    padding: zeros)."""
     x, ids, w, gate_up, down = _inputs(17, 2, 8, 48, 24, seed=13, pool=5)
     ids[0, 0], ids[1, 1], ids[2] = -1, 8, -1
-    torch_plan = dataclasses.replace(G_SMALL, align_max_pairs=16)
-    out = _run("grouped", x, ids, w, gate_up, down, torch_plan)
-    assert torch.equal(out, _run("grouped", x, ids, w, gate_up, down, G_SMALL))
-    assert bool((out[2] == 0).all())
-    _check(out, x, ids, w, gate_up, down)
+    scan = _run("grouped", x, ids, w, gate_up, down, G_SMALL)
+    align = _run("grouped", x, ids, w, gate_up, down, dataclasses.replace(G_SMALL, scan_max_pairs=0))
+    torch_plan = _run("grouped", x, ids, w, gate_up, down, dataclasses.replace(G_SMALL, scan_max_pairs=0,
+                                                                                 align_max_pairs=16))  # fmt: skip
+    assert torch.equal(scan, align) and torch.equal(scan, torch_plan)
+    assert bool((scan[2] == 0).all())
+    _check(scan, x, ids, w, gate_up, down)
+
+
+def test_grouped_scan_mode_chunks_and_long_runs():
+    """Scan mode with the ids read 16 at a time over 96 pairs (several chunks, a hit's rank
+    carried across them) and one expert holding every token's first pair (a 48-pair run in three
+    BLOCK_M tiles): the plan mode's bits."""
+    x, ids, w, gate_up, down = _inputs(48, 2, 8, 48, 24, seed=21)
+    ids[:, 0] = 3
+    ids[:, 1] = torch.where(ids[:, 1] == 3, 5, ids[:, 1])
+    chunked = dataclasses.replace(G_SMALL, scan_chunk=16)
+    scan = _run("grouped", x, ids, w, gate_up, down, chunked)
+    assert torch.equal(scan, _run("grouped", x, ids, w, gate_up, down, dataclasses.replace(chunked, scan_max_pairs=0)))
+    _check(scan, x, ids, w, gate_up, down)
 
 
 @pytest.mark.parametrize("kernel", LAUNCHES)
@@ -349,3 +367,28 @@ def test_op_is_captured_by_a_cuda_graph(tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, op.moe_experts(*new, gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [17, 64, 256])
+@pytest.mark.parametrize("model", ["minimax-m2.5", "qwen3.5"])
+def test_grouped_scan_mode_equals_plan_mode_on_cuda(model, tokens):
+    """Scan mode (2 launches: the down kernel's last arrival per token and column block combines)
+    against plan mode (align, gate/up, down, combine) at real shapes over 5 routings, one expert
+    taking every token's first pair in the last (a long run, many arrivals per counter block):
+    equal bits, so no arrival is lost or seen early on the GPU."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    experts, top_k, hidden, inter = REAL_SHAPES[model]
+    gate_up, down = _cuda_weights(model)
+    plan = dataclasses.replace(G.default_config(tokens, top_k, experts, hidden, inter), scan_max_pairs=0)
+    for seed in range(5):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
+        ids = torch.rand(tokens, experts, generator=gen, device="cuda").argsort(dim=-1)[:, :top_k]
+        if seed == 4:
+            ids[:, 0] = 7
+            ids[:, 1:] = torch.where(ids[:, 1:] == 7, 8, ids[:, 1:])
+        w = torch.rand(tokens, top_k, generator=gen, device="cuda").softmax(dim=-1)
+        scan = G.grouped_experts(x, ids, w, gate_up, down)
+        assert torch.equal(scan, G.grouped_experts(x, ids, w, gate_up, down, plan)), f"seed {seed}"
