@@ -249,9 +249,31 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             facts["casts"].add(node.args[1])
         elif node.target is aten.amax.default:
             facts["quant_groups"].add(_val(node.args[0]).shape[-1])
+    facts.update(_index_weight_scales(nodes, inputs.get("weights")))
     facts["angles_duplicated"] = all(_duplicated_halves(inputs.get(name)) for name in ("cos", "sin"))
     facts["upcast_inputs"] = {name for name, node in inputs.items() if _is_upcast(node)}
     return facts
+
+
+def _index_weight_scales(nodes: list[torch.fx.Node], weights) -> dict[str, Any]:
+    """The indexer's head and dim scales as the graph's literals (``w = weights.float() *
+    head_scale``, then ``w * scale * dim_scale``): torch 2.11 hands the check a re-traced match
+    whose scalars are literals, not kwargs, so the replacement takes them from here."""
+    if not isinstance(weights, torch.fx.Node):
+        return {}
+    literal = [n for n in nodes if n.op == "call_function" and n.target in (aten.mul.Tensor, aten.mul.Scalar)
+               and isinstance(n.args[1], (int, float))]  # fmt: skip
+    casts = (prims.convert_element_type.default, aten._to_copy.default)  # (.float(), in post-grad and aten graphs)
+    head = next((n for n in literal if n.args[0] is weights
+                 or (getattr(n.args[0], "target", None) in casts and n.args[0].args[0] is weights)), None)  # fmt: skip
+    if head is None:
+        return {}
+    found = {"head_scale": head.args[1]}
+    for n in literal:  # (w * scale) * dim_scale: a mul of a mul of the head-scaled weights
+        inner = n.args[0]
+        if getattr(inner, "target", None) in (aten.mul.Tensor, aten.mul.Scalar) and head in inner.args:
+            found["dim_scale"] = n.args[1]
+    return found
 
 
 def _is_upcast(node) -> bool:

@@ -395,3 +395,22 @@ def test_inductor_lowering_replaces_every_site_with_the_canonical_decomposition(
     # On this random-weight model stock Inductor itself lands ~29% from eager at these inputs
     # (the Triton lowering lands 0.3%): the canonical form must do no worse than stock.
     assert relative_error(fused, eager) <= relative_error(stock, eager) + 1e-3
+
+
+def test_index_q_scales_read_from_the_graph_literals():
+    """torch 2.11 hands the check a re-traced match whose scalars are literals, not kwargs (the
+    H200's DeepSeek reference layers: the FP8 index_q site declined with ``None * None``): the
+    head and dim scales come from the graph's own muls instead, whatever values the model has."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusion_compiler.patterns import mla_prologue as family
+
+    variant = next(v for v in family.VARIANTS if v.name == "index_q.fp8")
+    q, cos, sin, weights = family.example_inputs(variant, (torch.bfloat16,))[:4]
+    head_scale, dim_scale = 64**-0.5, 128**-0.5  # DeepSeek V3.2's 64 indexer heads of 128
+    graph = make_fx(lambda q, c, s, w: variant.search(q, c, s, w, head_scale, dim_scale))(q, cos, sin, weights).graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    facts = family.facts_of(nodes, {"weights": placeholders[3]})
+    assert (facts["head_scale"], facts["dim_scale"]) == (head_scale, dim_scale)
+    assert "head_scale" not in family.facts_of(nodes, {"weights": placeholders[0]})  # not the weights' mul
