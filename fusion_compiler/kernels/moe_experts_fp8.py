@@ -46,7 +46,7 @@ from ._device import INTERPRETER, downcast, fp8_codes, fp8_group_quant, fp8_grou
 from ._device import launch_on_device, store_fp8_as_bytes
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, output_like, silu_mul_rounded
-from .moe_experts_grouped import _expert_run, launch_combine, make_plan
+from .moe_experts_grouped import _combine_arrived, _slot_run, _tile_pairs, grouping, launch_combine
 from .moe_experts_grouped import default_config as _bf16_grouped_config
 
 KERNEL_VERSION = "moe_experts_fp8-1"
@@ -333,6 +333,8 @@ class GroupedConfig:
     combine_block: int = 1024
     combine_warps: int = 4
     align_max_pairs: int = 16384
+    scan_max_pairs: int = 4096  # as the bf16 grouped kernels' (two launches up to it, four past it)
+    scan_chunk: int = 256
 
 
 def default_grouped_config(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int) -> GroupedConfig:
@@ -344,12 +346,15 @@ def default_grouped_config(tokens: int, top_k: int, experts: int, hidden: int, i
 
 @triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, act_ptr, act_scale_ptr, plan_ptr,
-    experts, stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_ap, stride_asp,
+    x_ptr, w_ptr, ws_ptr, act_ptr, act_scale_ptr, plan_ptr, ids_ptr, counters_ptr, out_ptr,
+    experts, stride_xt, stride_we, stride_wr, stride_se, stride_sr, stride_ap, stride_asp, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+    SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
+    COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    expert, start, end = _slot_run(plan_ptr, ids_ptr, counters_ptr, out_ptr, experts, stride_ot, HIDDEN, PAIRS, TOP_K,
+                                   DTYPE, SCAN, P_POW2, E_BINS, K_POW2, COUNTERS)  # fmt: skip
     block = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = block * 128 + tl.arange(0, 128)  # one act group: gate rows n, up rows INTER + n
@@ -361,8 +366,7 @@ def _grouped_gate_up_kernel(
     up_s = ws_ptr + expert * stride_se + ((INTER + n) // 128) * stride_sr
     m0 = start
     while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
-        m_ok = m0 + m < end
-        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        pair, m_ok = _tile_pairs(plan_ptr, ids_ptr, expert, m0, end, SCAN, PAIRS, BLOCK_M, CHUNK)
         x_ptrs = x_ptr + (pair // TOP_K)[:, None] * stride_xt + k[None, :]
         gate = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
@@ -385,12 +389,14 @@ def _grouped_gate_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    act_ptr, act_scale_ptr, w_ptr, ws_ptr, y_ptr, plan_ptr,
-    experts, stride_ap, stride_asp, stride_we, stride_wr, stride_se, stride_sr, stride_yp,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, DTYPE: tl.constexpr,
+    act_ptr, act_scale_ptr, w_ptr, ws_ptr, y_ptr, plan_ptr, ids_ptr, weights_ptr, out_ptr, counters_ptr,
+    experts, stride_ap, stride_asp, stride_we, stride_wr, stride_se, stride_sr, stride_yp, stride_ot,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, PAIRS: tl.constexpr, TOP_K: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
 ):  # fmt: skip
-    expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    expert, start, end = _slot_run(plan_ptr, ids_ptr, counters_ptr, out_ptr, experts, stride_ot, HIDDEN, PAIRS, TOP_K,
+                                   DTYPE, SCAN, P_POW2, E_BINS, K_POW2, 0)  # fmt: skip
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, 128)
@@ -399,8 +405,7 @@ def _grouped_down_kernel(
     s_ptrs = ws_ptr + expert * stride_se + (n // 128) * stride_sr
     m0 = start
     while m0 < end:  # (a while: the interpreter's range takes no loaded bounds)
-        m_ok = m0 + m < end
-        pair = tl.load(plan_ptr + m0 + m, mask=m_ok, other=0).to(tl.int64)
+        pair, m_ok = _tile_pairs(plan_ptr, ids_ptr, expert, m0, end, SCAN, PAIRS, BLOCK_M, CHUNK)
         a_ptrs = act_ptr + pair[:, None] * stride_ap + k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, INTER, 128, num_stages=STAGES):
@@ -414,6 +419,9 @@ def _grouped_down_kernel(
         # The expert's GEMM output in the activation dtype (exact in y's dtype).
         tl.store(y_ptr + pair[:, None] * stride_yp + n[None, :], downcast(acc, DTYPE),
                  mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        if SCAN:
+            _combine_arrived(y_ptr, ids_ptr, weights_ptr, out_ptr, counters_ptr, pair, m_ok, n, n_ok,
+                             experts, stride_yp, stride_ot, TOP_K, K_POW2, DTYPE)  # fmt: skip
         m0 += BLOCK_M
 
 
@@ -438,7 +446,8 @@ def grouped_experts_fp8(
     config: GroupedConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``fusion_compiler::moe_experts_fp8`` grouped by expert, in four launches; arguments,
+    """``fusion_compiler::moe_experts_fp8`` grouped by expert, in two launches up to
+    ``config.scan_max_pairs`` pairs and four past it (as ``grouped_experts``); arguments,
     ``config`` and ``out`` as ``small_batch_experts_fp8``."""
     hidden, top_k_ids, top_k_weights, out = _prepare("grouped_experts_fp8", hidden, top_k_ids, top_k_weights,
                                                      gate_up_proj, gate_up_scale, down_proj, down_scale, out)  # fmt: skip
@@ -452,28 +461,30 @@ def grouped_experts_fp8(
         raise ValueError(f"down_block_n {c.down_block_n}: tl.dot takes a power of two >= 16")
     if tokens == 0 or hidden_size == 0:
         return out
+    if not (pairs and intermediate):  # no GEMM to run: every real pair's y is 0, so is the sum
+        return out.zero_()
     dtype, device = hidden.dtype, hidden.device
     y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
-    if pairs and intermediate:
-        plan = make_plan(top_k_ids, experts, c.align_max_pairs)
-        act = torch.empty(pairs, intermediate, dtype=FP8, device=device)
-        act_scale = torch.empty(pairs, triton.cdiv(intermediate, GROUP), dtype=torch.float32, device=device)
-        slots = min(experts, pairs)
-        launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, GROUP))](
-            hidden, gate_up_proj, gate_up_scale, act.view(torch.uint8), act_scale, plan,
-            experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
-            gate_up_scale.stride(1), act.stride(0), act_scale.stride(0),
-            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
-            BLOCK_M=c.block_m, STAGES=c.gate_up_stages, num_warps=c.gate_up_warps,
-        ))  # fmt: skip
-        launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, triton.cdiv(hidden_size, c.down_block_n))](
-            act, act_scale, down_proj, down_scale, y, plan,
-            experts, act.stride(0), act_scale.stride(0), down_proj.stride(0), down_proj.stride(1),
-            down_scale.stride(0), down_scale.stride(1), y.stride(0),
-            HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, DTYPE=_TL_DTYPES[dtype],
-            BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, STAGES=c.down_stages, num_warps=c.down_warps,
-        ))  # fmt: skip
-    else:  # no GEMM to run (no pairs, or I = 0): every real pair's y is 0
-        y.zero_()
-    launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
+    act = torch.empty(pairs, intermediate, dtype=FP8, device=device)
+    act_scale = torch.empty(pairs, triton.cdiv(intermediate, GROUP), dtype=torch.float32, device=device)
+    down_blocks = triton.cdiv(hidden_size, c.down_block_n)
+    scan, plan, counters, meta = grouping(top_k_ids, experts, down_blocks, c)
+    slots = min(experts, pairs)
+    launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, GROUP))](
+        hidden, gate_up_proj, gate_up_scale, act.view(torch.uint8), act_scale, plan, top_k_ids, counters, out,
+        experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), act.stride(0), act_scale.stride(0), out.stride(0),
+        HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+        BLOCK_M=c.block_m, STAGES=c.gate_up_stages, COUNTERS=tokens * down_blocks if scan else 0, **meta,
+        num_warps=c.gate_up_warps,
+    ))  # fmt: skip
+    launch_on_device(hidden, lambda: _grouped_down_kernel[(slots, down_blocks)](
+        act, act_scale, down_proj, down_scale, y, plan, top_k_ids, top_k_weights, out, counters,
+        experts, act.stride(0), act_scale.stride(0), down_proj.stride(0), down_proj.stride(1),
+        down_scale.stride(0), down_scale.stride(1), y.stride(0), out.stride(0),
+        HIDDEN=hidden_size, INTER=intermediate, PAIRS=pairs, TOP_K=top_k, DTYPE=_TL_DTYPES[dtype],
+        BLOCK_M=c.block_m, BLOCK_N=c.down_block_n, STAGES=c.down_stages, **meta, num_warps=c.down_warps,
+    ))  # fmt: skip
+    if not scan:
+        launch_combine(y, top_k_ids, top_k_weights, out, experts, c.combine_block, c.combine_warps)
     return out

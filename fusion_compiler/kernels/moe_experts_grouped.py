@@ -235,6 +235,23 @@ def _zero_counters_and_empty_rows(
 
 
 @triton.jit
+def _slot_run(plan_ptr, ids_ptr, counters_ptr, out_ptr, experts, stride_ot, HIDDEN: tl.constexpr, PAIRS: tl.constexpr,
+              TOP_K: tl.constexpr, DTYPE: tl.constexpr, SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr,
+              K_POW2: tl.constexpr, COUNTERS: tl.constexpr):  # fmt: skip
+    """A GEMM program's expert and run, in either mode. COUNTERS > 0 (scan mode's gate/up
+    launch): its program (0, 0) first zeroes the counters and the all-padding tokens' rows."""
+    if SCAN:
+        if COUNTERS > 0:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                _zero_counters_and_empty_rows(ids_ptr, counters_ptr, out_ptr, experts, stride_ot, PAIRS // TOP_K,
+                                              TOP_K, K_POW2, HIDDEN, COUNTERS, DTYPE, 16, 256)  # fmt: skip
+        expert, start, end = _scanned_run(ids_ptr, experts, PAIRS, P_POW2, E_BINS)
+    else:
+        expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    return expert, start, end
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, plan_ptr, ids_ptr, counters_ptr, out_ptr,
     experts, stride_xt, stride_we, stride_wr, stride_ap, stride_ot,
@@ -243,13 +260,8 @@ def _grouped_gate_up_kernel(
     SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
     COUNTERS: tl.constexpr,
 ):  # fmt: skip
-    if SCAN:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            _zero_counters_and_empty_rows(ids_ptr, counters_ptr, out_ptr, experts, stride_ot, PAIRS // TOP_K, TOP_K,
-                                          K_POW2, HIDDEN, COUNTERS, DTYPE, 16, 256)  # fmt: skip
-        expert, start, end = _scanned_run(ids_ptr, experts, PAIRS, P_POW2, E_BINS)
-    else:
-        expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    expert, start, end = _slot_run(plan_ptr, ids_ptr, counters_ptr, out_ptr, experts, stride_ot, HIDDEN, PAIRS, TOP_K,
+                                   DTYPE, SCAN, P_POW2, E_BINS, K_POW2, COUNTERS)  # fmt: skip
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -315,10 +327,8 @@ def _grouped_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     SCAN: tl.constexpr, P_POW2: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, K_POW2: tl.constexpr,
 ):  # fmt: skip
-    if SCAN:
-        expert, start, end = _scanned_run(ids_ptr, experts, PAIRS, P_POW2, E_BINS)
-    else:
-        expert, start, end = _expert_run(plan_ptr, experts, PAIRS)
+    expert, start, end = _slot_run(plan_ptr, ids_ptr, counters_ptr, out_ptr, experts, stride_ot, HIDDEN, PAIRS, TOP_K,
+                                   DTYPE, SCAN, P_POW2, E_BINS, K_POW2, 0)  # fmt: skip
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -405,6 +415,28 @@ def make_plan(top_k_ids: torch.Tensor, experts: int, align_max_pairs: int) -> to
     return plan
 
 
+def grouping(top_k_ids: torch.Tensor, experts: int, down_blocks: int, config) -> tuple[bool, torch.Tensor, torch.Tensor, dict]:
+    """How the GEMM kernels find their pairs: (scan mode?, the plan, the down kernel's arrival
+    counters [T * down_blocks], the kernels' grouping constexprs). Scan mode up to
+    ``config.scan_max_pairs`` pairs (no plan: its pointer is the ids, unused), else a plan (no
+    counters: their pointer is the ids, unused). ``config``: any config with ``scan_max_pairs``,
+    ``scan_chunk`` and ``align_max_pairs`` (the bf16 and FP8 grouped kernels')."""
+    tokens, top_k = top_k_ids.shape
+    pairs = tokens * top_k
+    if config.scan_chunk < 16 or config.scan_chunk & (config.scan_chunk - 1):
+        raise ValueError(f"scan_chunk {config.scan_chunk}: a power of two >= 16")
+    scan = pairs <= config.scan_max_pairs
+    if scan:
+        plan, counters = top_k_ids, torch.empty(tokens * down_blocks, dtype=torch.int32, device=top_k_ids.device)
+    else:
+        plan, counters = make_plan(top_k_ids, experts, config.align_max_pairs), top_k_ids
+    meta = dict(
+        SCAN=scan, P_POW2=triton.next_power_of_2(pairs) if scan else 16, E_BINS=triton.next_power_of_2(experts + 1),
+        CHUNK=min(config.scan_chunk, triton.next_power_of_2(pairs)), K_POW2=triton.next_power_of_2(top_k),
+    )  # fmt: skip
+    return scan, plan, counters, meta
+
+
 def launch_combine(y, top_k_ids, top_k_weights, out, experts: int, block: int, warps: int) -> None:
     """``out`` [T, H] = sum_k w[t, k] * y[(t, k)] over each token's real pairs, in k order."""
     tokens, top_k = top_k_ids.shape
@@ -443,26 +475,16 @@ def grouped_experts(
     c = config
     if c.block_m < 16 or c.block_m & (c.block_m - 1):
         raise ValueError(f"block_m {c.block_m}: tl.dot takes a power of two >= 16")
-    if c.scan_chunk < 16 or c.scan_chunk & (c.scan_chunk - 1):
-        raise ValueError(f"scan_chunk {c.scan_chunk}: a power of two >= 16")
     if tokens == 0 or hidden_size == 0:
         return out
     if not (pairs and intermediate):  # no GEMM to run: every real pair's y is 0, so is the sum
         return out.zero_()
     dtype, device = hidden.dtype, hidden.device
-    scan = pairs <= c.scan_max_pairs
     down_blocks = triton.cdiv(hidden_size, c.down_block_n)
     y = torch.empty(pairs, hidden_size, dtype=dtype, device=device)
     act = torch.empty(pairs, intermediate, dtype=dtype, device=device)
-    if scan:  # (plan's pointer unused)
-        plan, counters = top_k_ids, torch.empty(tokens * down_blocks, dtype=torch.int32, device=device)
-    else:  # (counters' pointer unused)
-        plan, counters = make_plan(top_k_ids, experts, c.align_max_pairs), top_k_ids
+    scan, plan, counters, scan_meta = grouping(top_k_ids, experts, down_blocks, c)
     slots = min(experts, pairs)
-    scan_meta = dict(
-        SCAN=scan, P_POW2=triton.next_power_of_2(pairs) if scan else 16, E_BINS=triton.next_power_of_2(experts + 1),
-        CHUNK=min(c.scan_chunk, triton.next_power_of_2(pairs)), K_POW2=triton.next_power_of_2(top_k),
-    )  # fmt: skip
     launch_on_device(hidden, lambda: _grouped_gate_up_kernel[(slots, triton.cdiv(intermediate, c.gate_up_block_n))](
         hidden, gate_up_proj, act, plan, top_k_ids, counters, out,
         experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0), out.stride(0),

@@ -13,7 +13,7 @@ with one and several row blocks and loop steps, small-batch steps narrower than 
 and wider (256), grouped runs longer than BLOCK_M; experts repeated across tokens and never hit;
 padding ids -1 and >= E (a token of only padding gets exact zeros); an all-zero token (zero
 groups, no NaN); int32 ids, bf16 routing weights, strided ids / weights; two calls equal bits;
-the grouped plan from torch past the align kernel; launch shapes the kernels refuse.
+scan mode, the align kernel's plan and the plan from torch giving the same bits; launch shapes the kernels refuse.
 
 GPU tier (``-m gpu``): DeepSeek V3's real expert shape (256 experts, top 8, H 7168, I 2048),
 small batch at 1 and 8 tokens, grouped at 8 and 64, against the reference in fp32 and in
@@ -162,12 +162,16 @@ def test_non_contiguous_routing_default_launch_deterministic(kernel):
     _check(out, (x, ids, w, *weights))
 
 
-def test_grouped_plan_from_torch_past_the_align_kernel():
-    """Past ``align_max_pairs`` the plan comes from torch ops: the same bits as the align kernel's."""
+def test_grouped_scan_and_plan_modes_give_the_same_bits():
+    """Scan mode (two launches), plan mode with the align kernel's plan, and plan mode past
+    ``align_max_pairs`` (the plan from torch ops): the same bits, token 2 only padding (zeros)."""
     args = _inputs(9, 2, 8, 128, 128, seed=13, pool=5)
     args[1][0, 0], args[1][2] = -1, 8
-    out = _run(args, dataclasses.replace(G_SMALL, align_max_pairs=16), "grouped")
-    assert torch.equal(out, _run(args, G_SMALL, "grouped")) and bool((out[2] == 0).all())
+    out = _run(args, G_SMALL, "grouped")
+    plan = dataclasses.replace(G_SMALL, scan_max_pairs=0)
+    assert torch.equal(out, _run(args, plan, "grouped"))
+    assert torch.equal(out, _run(args, dataclasses.replace(plan, align_max_pairs=16), "grouped"))
+    assert bool((out[2] == 0).all())
     _check(out, args)
 
 
