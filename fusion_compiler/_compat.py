@@ -338,6 +338,29 @@ def compiling_frame_locals() -> dict:
         return {}
 
 
+def calling_modules(depth: int = 256) -> list[torch.nn.Module]:
+    """The modules whose methods are running below this call (each frame's ``self``), where a
+    graph Dynamo compiles can find the model it is part of: first the modules torch.compile
+    wrapped (an ``OptimizedModule``'s original, outermost first), then the others, outermost
+    first. Dynamo runs a frame it resumes inside a submodule under the compiled code of the
+    frames that called it, so the compiled model is among them."""
+    wrapper_type = getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", ())
+    frame, wrapped, plain, seen = sys._getframe(1), [], [], set()
+    for _ in range(depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if wrapper_type and isinstance(owner, wrapper_type):
+            owner, into = getattr(owner, "_orig_mod", None), wrapped
+        else:
+            into = plain
+        if isinstance(owner, torch.nn.Module) and id(owner) not in seen:
+            seen.add(id(owner))
+            into.append(owner)
+        frame = frame.f_back
+    return wrapped[::-1] + plain[::-1]
+
+
 from torch._dynamo.exc import ShortenTraceback as _ShortenTraceback  # noqa: E402
 
 

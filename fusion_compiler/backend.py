@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import logging
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -95,12 +96,22 @@ class FusionBackend:
 
     torch.compile's `mode` and `options`, given with this backend, apply on top of its config
     (see `compile_settings`); every graph goes into the one report. `inductor_options`: Inductor
-    config patched in while this backend compiles.
+    config patched in while this backend compiles. `root`: the model compiled, from which the
+    module paths of every graph are named (`qualify_module_paths`); without it, the model is
+    looked for among the modules running when a graph compiles.
     """
 
-    def __init__(self, config: FusionConfig | None = None, inductor_options: Mapping | None = None):
+    def __init__(
+        self,
+        config: FusionConfig | None = None,
+        inductor_options: Mapping | None = None,
+        root: torch.nn.Module | None = None,
+    ):
         self.config = config or FusionConfig()
         self.inductor_options = dict(inductor_options or {})
+        # The model compiled, where the caller knows it (fc.compile, inspect): module paths of a
+        # graph Dynamo resumed inside one of its submodules are qualified from it.
+        self._root = weakref.ref(root) if isinstance(root, torch.nn.Module) else None
         self.report = MatchReport()
         self.compiles = 0
         # One per graph compiled for CUDA inputs (cudagraph.py); the report reads them too.
@@ -118,6 +129,8 @@ class FusionBackend:
         _LAST[:] = [self]
         self.compiles += 1
         check_expected_paths(config.expected, _frame_roots(gm))
+        root = self._root() if self._root is not None else None
+        qualified = qualify_module_paths(gm, [root] if root is not None else _compat.calling_modules())
         fusion_pass = FusionPass(config, self.report)
         first_graph = len(self.report.graphs)
         # compile_fx runs pre-grad passes on gm in place; verify needs the untouched graph.
@@ -136,7 +149,9 @@ class FusionBackend:
                      name, len(plan.batch), len(plan.slots))
         if config.verify:
             sites = [s for g in self.report.graphs[first_graph:] for s in g.matched()]
-            return verify_first_call(reference, compiled, sites, config.verify_rtol)
+            compiled = verify_first_call(reference, compiled, sites, config.verify_rtol)
+        if qualified:
+            compiled = SharedFrameGraph.around(compiled, self.report, first_graph, example_inputs, qualified)
         return compiled
 
 
@@ -201,7 +216,7 @@ def compile(model: torch.nn.Module | Callable, config: FusionConfig | None = Non
             from .integrations import hf
 
             return hf.compile_for_generate(model, config, **compile_kwargs)
-    backend = FusionBackend(config)
+    backend = FusionBackend(config, root=model if isinstance(model, torch.nn.Module) else None)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     try:
         compiled.fusion_backend = backend
@@ -221,16 +236,111 @@ _ROOT_LOCAL = re.compile(r"^L\[['\"]([^'\"]+)['\"]\]")
 def _frame_roots(gm: torch.fx.GraphModule) -> list[torch.nn.Module]:
     """The modules nn_module_stack's paths start from (``L['self']``: a local of the frame
     Dynamo compiles), where this torch lets us reach them."""
-    names = set()
+    owners = _frame_owners(gm)
+    return [owners[n] for n in sorted(owners)]
+
+
+def _frame_owners(gm: torch.fx.GraphModule, also: Iterable[str] = ()) -> dict[str, torch.nn.Module]:
+    """Local name -> module, for the locals of the frame Dynamo compiles that nn_module_stack's
+    paths start from, and those named in `also` that are modules."""
+    names = set(also)
     for node in gm.graph.nodes:
         for raw, _ in (node.meta.get("nn_module_stack") or {}).values():
             found = _ROOT_LOCAL.match(raw)
             if found:
                 names.add(found.group(1))
-    if not names:
-        return []
-    local = _compat.compiling_frame_locals()
-    return [local[n] for n in sorted(names) if isinstance(local.get(n), torch.nn.Module)]
+    local = _compat.compiling_frame_locals() if names else {}
+    return {n: local[n] for n in names if isinstance(local.get(n), torch.nn.Module)}
+
+
+def qualify_module_paths(gm: torch.fx.GraphModule, roots: Sequence[torch.nn.Module]) -> Qualified | None:
+    """Name the modules of a graph from the model, in place: where the graph breaks (HF's
+    "eager" experts loop over ``nonzero``), Dynamo compiles a submodule's forward as a frame of
+    its own, whose ``nn_module_stack`` paths start at its ``self`` (``L['self'].gate`` in a MoE
+    block) and whose own ops have none. Each local such a path starts from that is a module
+    under one of `roots` (the first that holds it) gets its path there put in front
+    (``L['self'].model.layers.0.mlp.gate``, which ``normalize_module_path`` reads as
+    ``model.layers.0.mlp.gate``), and the frame's own ops get its ``self``'s path. Returns
+    Qualified, or None where nothing was."""
+    owners = _frame_owners(gm, also=("self",))
+    prefixes, holders = {}, {}
+    for root in roots if owners else ():
+        paths = {id(m): path for path, m in root.named_modules()}
+        for name, module in owners.items():
+            if name not in prefixes and paths.get(id(module)):
+                prefixes[name], holders[name] = paths[id(module)], root
+    if not prefixes:
+        return None
+    own = {str(id(owners["self"])): (f"L['self'].{prefixes['self']}", type(owners["self"]))} if "self" in prefixes else None
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {key: (_prefixed(raw, prefixes), kind) for key, (raw, kind) in stack.items()}
+        elif own and node.op in ("call_function", "call_method", "call_module"):
+            node.meta["nn_module_stack"] = dict(own)
+    return Qualified(prefixes, owners.get("self") if "self" in prefixes else None, holders.get("self"))
+
+
+@dataclasses.dataclass
+class Qualified:
+    """What `qualify_module_paths` did to one graph: local -> module path put in front, and the
+    frame's ``self`` (where it is a submodule) with the model it was found in."""
+
+    prefixes: dict[str, str]
+    owner: torch.nn.Module | None
+    root: torch.nn.Module | None
+
+
+class SharedFrameGraph:
+    """A graph compiled in a submodule's frame runs for every module of that code whose frame
+    passes its guards: Dynamo passes a module's parameters as graph inputs (torch 2.13), so one
+    graph compiled in layer 0's MoE block serves each layer's. On its first call with another
+    module's parameters, the graph's sites are reported again, under that module's path
+    (`GraphReport.run_for`), so each layer is credited with what ran for it."""
+
+    def __init__(self, compiled, report: MatchReport, graphs: list, index: int, own: str, relative: str, root):
+        self.compiled, self.report, self.graphs = compiled, report, graphs
+        self.index, self.own, self.relative, self.root = index, own, relative, weakref.ref(root)
+        self.seen: set[int] = set()
+
+    @classmethod
+    def around(cls, compiled, report: MatchReport, first_graph: int, example_inputs, qualified: Qualified):
+        """`compiled` wrapped where its frame's ``self`` is a submodule whose parameters (or
+        buffers) are graph inputs; else `compiled` itself."""
+        owner = qualified.owner
+        if owner is None or qualified.root is None or not report.graphs[first_graph:]:
+            return compiled
+        tensors = {id(t): name for name, t in (*owner.named_parameters(), *owner.named_buffers())}
+        index = next((i for i, x in enumerate(example_inputs) if id(x) in tensors), None)
+        if index is None:
+            return compiled
+        shared = cls(compiled, report, report.graphs[first_graph:], index, qualified.prefixes["self"],
+                     tensors[id(example_inputs[index])], qualified.root)  # fmt: skip
+        shared.seen.add(id(example_inputs[index]))
+        return shared
+
+    def __call__(self, *args):
+        key = id(args[self.index]) if len(args) > self.index else None
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            self._ran_for(args[self.index])
+        return self.compiled(*args)
+
+    def _ran_for(self, tensor) -> None:
+        root = self.root()
+        name = next((n for n, t in (*root.named_parameters(), *root.named_buffers()) if t is tensor), None) if root else None
+        if name is None or not name.endswith("." + self.relative):
+            return
+        other = name[: -len(self.relative) - 1]
+        if other != self.own:
+            for g in self.graphs:
+                self.report.graphs.append(g.run_for(self.own, other, len(self.report.graphs)))
+
+
+def _prefixed(raw: str, prefixes: dict[str, str]) -> str:
+    found = _ROOT_LOCAL.match(raw)
+    prefix = prefixes.get(found.group(1)) if found else None
+    return raw if prefix is None else f"{found.group(0)}.{prefix}{raw[found.end():]}"
 
 
 def check_expected_paths(

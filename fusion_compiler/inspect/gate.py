@@ -59,7 +59,7 @@ def switchable_stages(report) -> list[tuple[str, dict]]:
 def ours_logits(model, batch: int, context: int, config: FusionConfig) -> torch.Tensor:
     """One decode step through our backend under ``config`` (the same inputs as inspect's runs)."""
     torch._dynamo.reset()
-    fn = torch.compile(model, backend=FusionBackend(config))
+    fn = torch.compile(model, backend=FusionBackend(config, root=model))
     return make_decode_step(model, batch=batch, context=context, seed=0).run(fn).detach().float().cpu()
 
 

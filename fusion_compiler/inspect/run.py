@@ -59,8 +59,8 @@ def _fusion_config(expected: dict | None) -> FusionConfig:
     return FusionConfig(expected=expected or {FAMILY: {}}, cudagraphs=False)
 
 
-def _fusion_backend(expected: dict | None) -> FusionBackend:
-    return FusionBackend(_fusion_config(expected))
+def _fusion_backend(expected: dict | None, model) -> FusionBackend:
+    return FusionBackend(_fusion_config(expected), root=model)
 
 
 def _stock_inductor(gm, example_inputs):
@@ -80,7 +80,7 @@ def run_mode(model, step, mode: str, device: str, expected: dict | None) -> Mode
         backend, graphs, _ = _counting_backend(_stock_inductor)
         fn = torch.compile(model, backend=backend)
     else:
-        fusion = _fusion_backend(expected)
+        fusion = _fusion_backend(expected, model)
         backend, graphs, _ = _counting_backend(fusion)
         fn = torch.compile(model, backend=backend)
         report = fusion.report
@@ -276,7 +276,7 @@ def compile_seconds(model, batch: int, context: int, expected: dict) -> dict:
     FX-graph cache, so the difference is the graph work our pass adds. Our one-time pattern
     tracing (per process and lowering, cached after) is reported on its own."""
     seconds = {}
-    for mode, inner in (("inductor", _stock_inductor), ("fusion_compiler", _fusion_backend(expected))):
+    for mode, inner in (("inductor", _stock_inductor), ("fusion_compiler", _fusion_backend(expected, model))):
         torch._dynamo.reset()
         backend, _, timed = _counting_backend(inner)
         make_decode_step(model, batch=batch, context=context, seed=0).run(torch.compile(model, backend=backend))
@@ -296,7 +296,7 @@ def step_graph_check(model, batch: int, context: int, expected: dict) -> dict:
     captured, the kernel nodes read from each captured graph, capture errors, and the replay's
     logits against the same backend's uncaptured first call."""
     torch._dynamo.reset()
-    backend = FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}))
+    backend = FusionBackend(FusionConfig(expected=expected or {FAMILY: {}}), root=model)
     fn = torch.compile(model, backend=backend)
     step = make_decode_step(model, batch=batch, context=context, seed=0)
     uncaptured = step.run(fn).detach().float().clone()  # a bucket's first call runs uncaptured

@@ -54,7 +54,7 @@ def compile_for_generate(model: torch.nn.Module, config: FusionConfig, **compile
         config = dataclasses.replace(config, expected=expected_sites(model, config))
         log.info("strict: expected sites of %s from its model adapter: %s", type(model).__name__,
                  ", ".join(f"{f} {sum(m.values())}" for f, m in config.expected.items()))
-    backend = FusionBackend(config)
+    backend = FusionBackend(config, root=model)
     model.compile(backend=backend, **compile_kwargs)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:

@@ -24,6 +24,19 @@ class GraphReport:
     # Where the graph was compiled when not by our own backend, e.g. "vllm 0.33.0, compile
     # range [1, 8]" (integrations/vllm.py); empty for our backend.
     pipeline: str = ""
+    # The graph_index of the compiled graph this entry reports again, for another module it ran
+    # for (backend.SharedFrameGraph: one graph compiled in layer 0's MoE block runs for every
+    # layer's); None for a graph compiled.
+    runs: int | None = None
+
+    def run_for(self, own: str, other: str, graph_index: int) -> GraphReport:
+        """This graph's sites, as it ran for module `other`: paths under `own` moved there."""
+        def moved(path):
+            return other + path[len(own):] if path and (path == own or path.startswith(own + ".")) else path
+
+        return GraphReport(graph_index, [dataclasses.replace(s, module=moved(s.module)) for s in self.sites],
+                           self.expected, {moved(m) for m in self.modules_in_graph}, pipeline=self.pipeline,
+                           runs=self.graph_index)  # fmt: skip
 
     def matched(self, family: str | None = None) -> list[Site]:
         return [s for s in self.sites if s.status == "matched" and family in (None, s.family)]
@@ -163,7 +176,7 @@ class MatchReport:
 
     def to_dict(self) -> dict:
         return {
-            "graphs": len(self.graphs),
+            "graphs": sum(g.runs is None for g in self.graphs),  # compiled; not the runs for other modules
             "pipelines": [g.pipeline for g in self.graphs],
             **{key: value for results in self.stage_results().values() for key, value in results.items()},
             "matches": self.per_variant(),
