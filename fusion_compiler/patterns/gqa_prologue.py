@@ -1,12 +1,16 @@
 """GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + the K/V cache write, one site per
-attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers) -> ``gqa_prologue``.
+attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE, GLM-4-MoE) ->
+``gqa_prologue``.
 
-Two norms, each as its model writes it:
+Three norms, each as its model writes it:
 
 * ``minimax``: HF's ``MiniMaxM2RMSNorm`` over the **whole** q and k projections (6144 and 1024
   wide), then the head split;
 * ``qwen``: the Gemma ``x * (1 + w)`` norm per head, on q taken out of each head's
-  [q | gate] row (the gate stays outside: ``* sigmoid(gate)`` after attention).
+  [q | gate] row (the gate stays outside: ``* sigmoid(gate)`` after attention);
+* ``per_head``: HF's plain ``weight * (x * rstd).to(dtype)`` per head, weight [D]
+  (``Qwen3MoeRMSNorm``, ``Glm4MoeRMSNorm`` with ``use_qk_norm``), in HF's layout only: full
+  RoPE (Qwen3-MoE) or partial (GLM-4-MoE, half the head).
 
 Two layouts, each as its code writes it:
 
@@ -78,6 +82,8 @@ def normed_heads(x, weight, eps, norm: str, layout: str, head_dim):
     code writes it (a dynamic token count keeps its -1 where the code put it)."""
     if norm == "qwen":  # per head: x is [..., heads, D] already
         return add_rms_norm.gemma(x, weight, eps)
+    if norm == "per_head":  # Qwen3-MoE, GLM-4-MoE: HF's plain norm on [..., heads, D]
+        return add_rms_norm.hf(x, weight, eps)
     normed = add_rms_norm.hf(x, weight, eps)  # MiniMax: the whole projection, then the split
     return split_heads(normed, layout, head_dim)
 
@@ -188,13 +194,18 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 
 # The tensor-parallel variants come last: a single-rank graph never reaches them (its upcast
 # also feeds the local mean, a user outside their pattern), and a TP graph never fits the others.
-# Full RoPE: HF's spelling only (serving code ropes part of each head for both models).
-VARIANTS = tuple(
-    _variant(norm, layout, cache)
-    for norm in ("minimax", "qwen")
-    for layout, cache in (("paged", "fp8"), ("paged", "bf16"), ("hf", "bf16"))
-) + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen")) + tuple(
-    _variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16")
+# Full RoPE: HF's spelling only (serving code ropes part of each head for both models). The
+# per-head plain norm: HF's code only (Qwen3-MoE full, GLM-4-MoE partial RoPE); no serving
+# reference of ours writes it.
+VARIANTS = (
+    tuple(
+        _variant(norm, layout, cache)
+        for norm in ("minimax", "qwen")
+        for layout, cache in (("paged", "fp8"), ("paged", "bf16"), ("hf", "bf16"))
+    )
+    + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen"))
+    + (_variant("per_head", "hf"), _variant("per_head", "hf", rotary="full"))
+    + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
 )
 
 # ------------------------------------------------------------------------------------------
@@ -416,11 +427,12 @@ def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) ->
     if norm == "minimax" and widths != {heads * head_dim, kv_heads * head_dim}:
         return (f"the q/k norms reduce over {sorted(widths)} dims, not the whole projections "
                 f"({heads * head_dim}, {kv_heads * head_dim}): per-head where full-width is expected")  # fmt: skip
-    if norm == "qwen":
-        if widths != {head_dim}:
-            return f"the q/k norms reduce over {sorted(widths)} dims, not one head ({head_dim}): full-width where per-head is expected"
-        if values["weight_offsets"] != {1.0}:
-            return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
+    if norm in ("qwen", "per_head") and widths != {head_dim}:
+        return f"the q/k norms reduce over {sorted(widths)} dims, not one head ({head_dim}): full-width where per-head is expected"
+    if norm == "qwen" and values["weight_offsets"] != {1.0}:
+        return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
+    if norm == "per_head" and values["weight_offsets"]:
+        return f"the norm weight has offsets {sorted(values['weight_offsets'])} where a plain x * w is expected"
     return None
 
 
@@ -516,10 +528,11 @@ def replacement(variant: Variant, lowering: str):
     if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
     p = variant.params
-    full_width, offset = p["norm"] == "minimax", 0.0 if p["norm"] == "minimax" else 1.0
-    # Round where the matched code rounds: MiniMax's norm (every spelling) rounds x * rstd before
-    # the weight multiply; HF's RoPE runs in the activation dtype, one rounding per op.
-    rounding = dict(round_normalized=p["norm"] == "minimax", round_rope_products=p["layout"] == "hf")
+    full_width, offset = p["norm"] == "minimax", 1.0 if p["norm"] == "qwen" else 0.0
+    # Round where the matched code rounds: MiniMax's norm (every spelling) and HF's plain per-head
+    # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
+    # activation dtype, one rounding per op.
+    rounding = dict(round_normalized=p["norm"] != "qwen", round_rope_products=p["layout"] == "hf")
 
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
@@ -683,8 +696,8 @@ def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """The site in the model's terms where its math departs from every variant: the K rows'
-    dtype, or k's norm (per head with a plain weight, or over the whole projection with
-    Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
+    dtype, or k's norm (per head with a plain weight into a paged cache, or over the whole
+    projection with Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
     rows = anchor.args[2]
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
@@ -694,14 +707,19 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     if norm is None or head_dim is None or norm["width"] is None:
         return None
     per_head = norm["width"] == head_dim
-    if per_head == norm["gemma"]:
-        return None  # Qwen3.5's per-head Gemma norm or MiniMax's full-width one: another departure
     rotary = _rotary_dim(rows, head_dim)
-    how = "per head" if per_head else f"over the whole projection ({norm['width']} wide)"
-    weight = "Gemma's (1 + w) weight" if norm["gemma"] else "a plain weight (x * w)"
-    return rows, (f"q/k are RMS-normalised {how} with {weight}, then RoPE over {rotary} of {head_dim} dims: "
-                  "the fused GQA prologue takes Qwen3.5's per-head (1 + w) norm or MiniMax-M2's "
-                  "whole-projection x * w norm")
+    if per_head and not norm["gemma"]:
+        if any(i is None for i in anchor.args[1]):
+            return None  # HF's static-cache write: the per_head variants take it; another departure
+        return rows, (f"q/k are RMS-normalised per head with a plain weight (x * w), then RoPE over {rotary} of "
+                      f"{head_dim} dims, written to a paged cache: the fused GQA prologue takes that norm in HF's "
+                      "code (static cache) only")  # fmt: skip
+    if per_head or not norm["gemma"]:
+        return None  # Qwen3.5's per-head Gemma norm or MiniMax's full-width one: another departure
+    return rows, (f"q/k are RMS-normalised over the whole projection ({norm['width']} wide) with Gemma's (1 + w) "
+                  f"weight, then RoPE over {rotary} of {head_dim} dims: the fused GQA prologue takes per-head norms "
+                  "(a plain x * w weight as Qwen3-MoE and GLM-4-MoE write it, or Qwen3.5's 1 + w) or MiniMax-M2's "
+                  "whole-projection x * w norm")  # fmt: skip
 
 
 def _facts_with_angles(nodes, inputs):

@@ -10,7 +10,7 @@ batch). Outputs: bf16 equal to the reference except a few elements one ulp apart
 bit), FP8 codes equal except a few one code apart; every output is also checked against the
 reference's math in float64 (fp32 activations to 2e-6, bf16 to bf16 tolerance), and the cache
 bytes outside the written slots against their poison. The rounding flags (``round_normalized``:
-MiniMax's HF norm; ``round_rope_products``: HF's bf16 RoPE), full-head RoPE and fp32 activations
+MiniMax's HF norm, and HF's plain per-head norm of Qwen3-MoE / GLM-4-MoE; ``round_rope_products``: HF's bf16 RoPE), full-head RoPE and fp32 activations
 are drawn too. With ``tp`` the full-width norm takes its means of squares as inputs (a
 tensor-parallel rank: the all-reduced [T, 2] sums' columns, strided, and the world size), which
 are *not* those of its own rows, so a kernel that summed its rows anyway would fail. The local
@@ -184,6 +184,19 @@ def test_model_layouts(model):
     _run(hf)
     _run({**hf, "cos_rows": 2})  # HF's default [1, S] position_ids: 2 sequences of 2 tokens, rows by position
     _run({**hf, "cos_rows": 1, "rotary_dim": 64, "dtype": torch.float32})  # full RoPE, fp32, one row for all
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["qwen3-moe-full-rope", "glm4-moe-half-rope"])
+def test_hf_per_head_plain_norm(rotary_dim):
+    """Qwen3-MoE's and GLM-4-MoE's HF prologue: per-head plain norm (weight [D], offset 0) that
+    rounds x * rstd before the weight multiply, HF's static cache, angles and RoPE roundings;
+    RoPE over the whole head (Qwen3-MoE) or half of it (GLM-4-MoE). bf16 and fp32, each also
+    against float64."""
+    c = dict(tokens=4, kv_heads=2, group=2, head_dim=64, rotary_dim=rotary_dim, seed=11, fp8=False,
+             full_width=False, offset=False, heads_first=True, hf_angles=True, round_rope=True,
+             round_normalized=True)  # fmt: skip
+    _run(c)
+    _run({**c, "cos_rows": 2, "dtype": torch.float32})
 
 
 @settings(max_examples=examples(15), deadline=None)

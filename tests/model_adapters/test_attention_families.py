@@ -8,8 +8,8 @@ say why in words.
   Qwen3.5's full attention); no q/k norms -> no family, with the reason (Mixtral, GLM-4-MoE
   without use_qk_norm).
 * Qwen3-MoE compiled through the backend with those expectations: the attention's gqa_prologue
-  site misses with its reason in words (its per-head plain-weight q/k norms), and the RoPE
-  rotations are not reported as mla_prologue candidates.
+  site fuses (its per-head plain-weight q/k norms, full RoPE), and the RoPE rotations are not
+  reported as mla_prologue candidates.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_no_family_applies_without_qk_norms_and_says_why(config):
     assert family is None and why.startswith("no family applies: ") and "q/k norms" in why
 
 
-def test_qwen3_moe_prologue_misses_in_words_and_is_no_mla_candidate(tmp_path):
+def test_qwen3_moe_prologue_fuses_and_is_no_mla_candidate(tmp_path):
     path = tmp_path / "qwen3_moe.json"
     path.write_text(json.dumps(dict(QWEN3_MOE, num_hidden_layers=2)))
     adapter = adapter_from_hf_config(path)
@@ -82,11 +82,9 @@ def test_qwen3_moe_prologue_misses_in_words_and_is_no_mla_candidate(tmp_path):
     make_decode_step(model).run(torch.compile(model, backend=backend))
     report = backend.report
     assert not [s for s in report.sites if s.family == "mla_prologue"]
-    misses = report.misses("gqa_prologue")
-    assert [m.module for m in misses] == [f"model.layers.{i}.self_attn" for i in (0, 1)]
-    for miss in misses:
-        assert miss.reason.startswith("q/k are RMS-normalised per head with a plain weight (x * w), then RoPE over 32 "
-                                      "of 32 dims"), miss.reason  # fmt: skip
+    assert report.misses("gqa_prologue") == [], report.format()
+    assert report.per_module("gqa_prologue") == expected["gqa_prologue"]
+    assert report.per_variant()["per_head.hf_full_rope"] == 2
     assert report.per_module("moe_experts") == expected["moe_experts"]
 
 

@@ -8,7 +8,7 @@
   and FP8): a 2-layer stack fuses one site per layer, each reading the RoPE table at the
   positions itself (patterns/gqa_prologue_rope_gather.py); q, the gate and the written cache bytes equal
   eager's (FP8 codes too: the op rounds where the references round), untouched slots unchanged.
-- Near misses: per-head norm where full-width is expected and the reverse, a plain ``w`` where
+- Near misses: per-head norm where full-width is expected (said in words) and the reverse, a plain ``w`` where
   Gemma's ``1 + w`` is expected (and an offset other than 1), RoPE over all dims in serving
   code's spelling (HF's fuses: tests/patterns/test_gqa_prologue_hf_paths.py), GPT-J pairs where
   NeoX halves are expected. Each is a reported miss.
@@ -197,7 +197,9 @@ def test_the_full_width_spelling_matches():
 
 
 def test_per_head_norm_where_full_width_is_expected_does_not_match():
-    assert_missed(_near_miss("head"))
+    """HF's plain per-head norm fuses in HF's layout only (Qwen3-MoE, GLM-4-MoE:
+    tests/patterns/test_gqa_prologue_per_head.py); into a paged cache it is a miss in words."""
+    assert_missed(_near_miss("head"), "per head with a plain weight (x * w)", "paged cache")
 
 
 def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
