@@ -9,7 +9,9 @@ program handles one token of one role with the whole row in registers:
 
 * q: RMSNorm over a ``[groups, group]`` tile (the quant groups, or one group of the whole row
   without quant), rounded to q_c's dtype; then FP8 group quant of that, or stored as is.
-* kv: RMSNorm of kv_c over ``[kv_rank / 128, 128]`` (the fp8_ds_mla groups), rounded to kv_c's
+* kv: RMSNorm of kv_c over a ``[groups, group]`` tile: ``[kv_rank / 128, 128]`` (the
+  fp8_ds_mla quant groups) when kv_rank is a multiple of 128, else masked groups of up to 128
+  (the bf16 path takes any kv_rank: 64 is one 64-wide group, 192 two of 128), rounded to kv_c's
   dtype; interleaved RoPE of k_pe; kv_out / k_pe_out and the latent cache row at ``slots``
   (bf16 ``[kv | k_pe]`` or uint8 ``[fp8 kv | fp32 scales | bf16 k_pe]``).
 * index_k: LayerNorm (+ bias) rounded to index_k's dtype, NeoX RoPE of the first rot dims,
@@ -42,7 +44,7 @@ from ._device import (
 )
 
 # Bump whenever the kernel or its launch choices change (hashed into the Inductor cache key).
-KERNEL_VERSION = "mla_kv_prologue-3"
+KERNEL_VERSION = "mla_kv_prologue-4"
 
 LATENT_GROUP = 128  # fp8_ds_mla quant group (ops.mla_kv_prologue.LATENT_GROUP)
 _LATENT_GROUP = tl.constexpr(LATENT_GROUP)
@@ -88,12 +90,14 @@ def _q_role(t, QC, QW, Q_OUT, Q_SCALE, stride_qc, stride_qout, stride_qscale, st
 @triton.jit
 def _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_kvout,
              stride_kpeout, eps, cos_row, sin_row, SLOTS, LATENT, latent_row_stride,
-             KV_N: tl.constexpr, GROUPS_BLOCK: tl.constexpr, ROT: tl.constexpr,
+             KV_N: tl.constexpr, GROUPS_BLOCK: tl.constexpr, GROUP_BLOCK: tl.constexpr, ROT: tl.constexpr,
              ROT_BLOCK: tl.constexpr, DEINTERLEAVE: tl.constexpr, STORE_KV: tl.constexpr,
              LATENT_MODE: tl.constexpr, CACHE_UE8M0: tl.constexpr, ROUND_BEFORE_QUANT: tl.constexpr):
     g1 = tl.arange(0, GROUPS_BLOCK)
     g = g1[:, None]
-    col = g * _LATENT_GROUP + tl.arange(0, _LATENT_GROUP)[None, :]
+    # One quant group per tile row in the FP8 mode (GROUP_BLOCK is 128 there); the last row is
+    # masked past KV_N where kv_rank is no multiple of GROUP_BLOCK (the bf16 path).
+    col = g * GROUP_BLOCK + tl.arange(0, GROUP_BLOCK)[None, :]
     mask = col < KV_N
     # Loads first (k_pe and cos/sin are independent of the norm's reduction).
     w = upcast(tl.load(KVW + col, mask=mask, other=0.0))
@@ -193,7 +197,7 @@ def _mla_kv_prologue_kernel(
     Q_N: tl.constexpr, Q_GROUP: tl.constexpr, Q_GROUPS_BLOCK: tl.constexpr,
     Q_GROUP_BLOCK: tl.constexpr, Q_FP8: tl.constexpr, Q_UE8M0: tl.constexpr,
     # kv role
-    KV_N: tl.constexpr, KV_GROUPS_BLOCK: tl.constexpr, ROT: tl.constexpr,
+    KV_N: tl.constexpr, KV_GROUPS_BLOCK: tl.constexpr, KV_GROUP_BLOCK: tl.constexpr, ROT: tl.constexpr,
     ROT_BLOCK: tl.constexpr, DEINTERLEAVE: tl.constexpr, STORE_KV: tl.constexpr,
     LATENT_MODE: tl.constexpr,
     # index_k role
@@ -213,7 +217,7 @@ def _mla_kv_prologue_kernel(
             cos_row, sin_row = _rope_row(COS, SIN, POS, t, stride_cos, stride_sin, HAS_POS)
             _kv_role(t, KVC, KPE, KVW, KV_OUT, KPE_OUT, stride_kvc, stride_kpe, stride_kvout,
                      stride_kpeout, kv_eps, cos_row, sin_row, SLOTS, LATENT, latent_row_stride,
-                     KV_N, KV_GROUPS_BLOCK, ROT, ROT_BLOCK, DEINTERLEAVE, STORE_KV,
+                     KV_N, KV_GROUPS_BLOCK, KV_GROUP_BLOCK, ROT, ROT_BLOCK, DEINTERLEAVE, STORE_KV,
                      LATENT_MODE, CACHE_UE8M0, ROUND_BEFORE_QUANT)
     if HAS_INDEX_K:
         if role == INDEX_K_PID:
@@ -227,24 +231,31 @@ def _mla_kv_prologue_kernel(
 def launch_config(q_width: int, q_group: int, kv_width: int, rot: int, index_width: int):
     """Block sizes and num_warps for the given row widths (0: role absent).
 
-    Returns dict(Q_GROUP, Q_GROUPS_BLOCK, Q_GROUP_BLOCK, KV_GROUPS_BLOCK, ROT_BLOCK, IK_BLOCK,
-    num_warps).  One program holds one row of its role in registers; the q row is a
-    ``[groups, group]`` tile (one group of the whole row without quant).  All roles share the
+    Returns dict(Q_GROUP, Q_GROUPS_BLOCK, Q_GROUP_BLOCK, KV_GROUPS_BLOCK, KV_GROUP_BLOCK,
+    ROT_BLOCK, IK_BLOCK, num_warps).  One program holds one row of its role in registers; the q
+    row is a ``[groups, group]`` tile (one group of the whole row without quant).  The kv row
+    is a ``[groups, group]`` tile of groups of 128 (the fp8_ds_mla quant group; DeepSeek's 512
+    is 4 x 128), or for a kv_rank under 128 one group of its power of two (64: 64 lanes, not
+    128 half masked); a kv_rank that is no multiple of 128 gets its last group masked (192:
+    2 x 128, 64 lanes idle).  Any kv_rank the bf16 path takes launches; the FP8 layout's
+    kv_rank is a multiple of 128 (the op declines others).  All roles share the
     launch's num_warps: 4 (16 fp32 values per thread for the 1536-wide q row on 128 threads;
     the rms_norm launch table found 4-8 warps best for 512-2048 rows), 8 above 2048 lanes.
     Not tuned on a GPU yet.
     """
     group = q_group if q_group else max(q_width, 1)
+    kv_group = min(LATENT_GROUP, triton.next_power_of_2(max(kv_width, 1)))
     cfg = dict(
         Q_GROUP=group,
         Q_GROUPS_BLOCK=triton.next_power_of_2(max(q_width // group, 1)),
         Q_GROUP_BLOCK=triton.next_power_of_2(group),
-        KV_GROUPS_BLOCK=triton.next_power_of_2(max(kv_width // LATENT_GROUP, 1)),
+        KV_GROUP_BLOCK=kv_group,
+        KV_GROUPS_BLOCK=triton.next_power_of_2(max(triton.cdiv(kv_width, kv_group), 1)),
         ROT_BLOCK=triton.next_power_of_2(max(rot, 2)),
         IK_BLOCK=triton.next_power_of_2(max(index_width, 2)),
     )
     lanes = max(cfg["Q_GROUPS_BLOCK"] * cfg["Q_GROUP_BLOCK"] if q_width else 0,
-                cfg["KV_GROUPS_BLOCK"] * LATENT_GROUP, cfg["IK_BLOCK"])
+                cfg["KV_GROUPS_BLOCK"] * kv_group, cfg["IK_BLOCK"])
     cfg["num_warps"] = 4 if lanes <= 2048 else 8
     return cfg
 
@@ -302,6 +313,9 @@ def mla_kv_prologue_fwd(named: dict, q_out: torch.Tensor, q_scale: torch.Tensor,
     latent_mode = _NO_LATENT
     if has_kv and latent is not None:
         latent_mode = _LATENT_FP8_DS_MLA if latent.dtype == torch.uint8 else _LATENT_SAME_DTYPE
+    if latent_mode == _LATENT_FP8_DS_MLA and kv_width % LATENT_GROUP:
+        raise ValueError(f"the fp8_ds_mla latent cache quantises kv_c in {LATENT_GROUP}-wide groups; "
+                         f"kv_c is {kv_width} wide")
     has_index_cache = has_ik and index_cache is not None
     # The fp32 scales are stored into the uint8 rows with 4-byte stores.
     for cache, name in ((latent, "latent_cache"), (index_cache, "index_cache")):
@@ -338,7 +352,8 @@ def mla_kv_prologue_fwd(named: dict, q_out: torch.Tensor, q_scale: torch.Tensor,
             Q_N=q_width, Q_GROUP=cfg["Q_GROUP"], Q_GROUPS_BLOCK=cfg["Q_GROUPS_BLOCK"],
             Q_GROUP_BLOCK=cfg["Q_GROUP_BLOCK"], Q_FP8=q_group > 0,
             Q_UE8M0=bool(named["q_ue8m0"]),
-            KV_N=kv_width, KV_GROUPS_BLOCK=cfg["KV_GROUPS_BLOCK"], ROT=rot,
+            KV_N=kv_width, KV_GROUPS_BLOCK=cfg["KV_GROUPS_BLOCK"],
+            KV_GROUP_BLOCK=cfg["KV_GROUP_BLOCK"], ROT=rot,
             ROT_BLOCK=cfg["ROT_BLOCK"], DEINTERLEAVE=bool(named["deinterleave_rope"]),
             STORE_KV=store_kv, LATENT_MODE=latent_mode,
             IK_N=ik_width, IK_BLOCK=cfg["IK_BLOCK"],

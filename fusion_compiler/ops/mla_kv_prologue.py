@@ -21,10 +21,12 @@ and role; the horizontal merge in ``patterns/mla_prologue_horizontal.py`` folds 
   A cache is any contiguous tensor whose last dim is the row ([blocks, block_size, row] for a
   paged cache, or its [slots, row] view); slot s is row s of ``cache.view(-1, row)``.
   latent_cache is either
-  - bf16 ``[blocks, block_size, kv_rank + rot]``: ``[normed kv_c | roped k_pe]``; or
+  - kv_c's dtype ``[blocks, block_size, kv_rank + rot]``: ``[normed kv_c | roped k_pe]``, any
+    kv_rank (the bf16 path: DeepSeek V3's HF code at kv_lora_rank 64 takes it); or
   - uint8 ``[blocks, block_size, kv_rank + 4 * kv_rank / 128 + 2 * rot]`` (vLLM's
     ``fp8_ds_mla``, 656 B/token at real size): kv_rank FP8 bytes, kv_rank / 128 fp32 scales
-    (group 128, ue8m0 with ``cache_ue8m0``), then rot bf16 values of roped k_pe.
+    (group 128, ue8m0 with ``cache_ue8m0``), then rot bf16 values of roped k_pe.  Only this
+    layout needs kv_rank a multiple of 128 (its quant groups); another width is declined.
 * index_k role (``index_k`` [T, D]): LayerNorm with bias, NeoX RoPE of the first rot dims;
   written at ``slots`` to ``index_cache`` uint8 ``[blocks, block_size, D + 4]`` as D FP8 bytes
   plus one fp32 scale (one group of D), token-major, and/or returned (``return_index_k``).
@@ -103,11 +105,6 @@ def _validate(args: dict, check_slot_values: bool = False) -> None:
         require_shape(k_pe, (tokens, rot), "k_pe")
         require_last_dim_contiguous(k_pe, "k_pe")
         require_dtype(k_pe, (kv_c.dtype,), "k_pe")
-        if kv_c.shape[-1] % LATENT_GROUP:
-            raise ValueError(
-                f"the latent kv_c is {kv_c.shape[-1]} wide (kv_lora_rank), not a multiple of {LATENT_GROUP}: "
-                f"the kernel normalises it in groups of {LATENT_GROUP}, the fp8_ds_mla cache's quant group"
-            )
     if index_k is not None:
         _check_norm_input(index_k, args["index_k_weight"], "index_k", tokens)
         if args["index_k_bias"] is not None:
@@ -164,6 +161,11 @@ def _check_caches(args: dict, tokens, check_slot_values: bool) -> None:
         require_dtype(latent, (kv_c.dtype, torch.uint8), "latent_cache")
         if latent.dtype == torch.uint8 and kv_c.dtype != torch.bfloat16:
             raise ValueError("the fp8_ds_mla latent cache stores k_pe as bf16: kv_c must be bf16")
+        if latent.dtype == torch.uint8 and kv_c.shape[-1] % LATENT_GROUP:
+            raise ValueError(
+                f"the latent kv_c is {kv_c.shape[-1]} wide (kv_lora_rank), not a multiple of {LATENT_GROUP}: "
+                f"the FP8 fp8_ds_mla cache layout quantises it in {LATENT_GROUP}-wide groups"
+            )
         width = latent_cache_width(kv_c.shape[-1], k_pe.shape[-1], latent.dtype)
         _check_cache_rows(latent, width, slots, "latent_cache", check_slot_values)
     if index is not None:

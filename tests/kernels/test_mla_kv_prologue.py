@@ -28,6 +28,7 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import mla_kv_prologue as K  # noqa: E402
 from fusion_compiler.ops import mla_kv_prologue as op  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
 
 
@@ -238,12 +239,13 @@ def configs(draw):
     cfg["q_width"] = draw(st.sampled_from([256, 192]))
     cfg["q_group"] = draw(st.sampled_from([0, 64, 128] if cfg["q_width"] == 256 else [0, 64, 96]))
     cfg["q_ue8m0"] = draw(st.booleans())
-    cfg["kv_width"] = draw(st.sampled_from([128, 256]))
+    latents = ["fp8", "same", None] if cfg["dtype"] == torch.bfloat16 else ["same", None]
+    cfg["latent"] = draw(st.sampled_from(latents))
+    # The fp8_ds_mla layout quantises the latent in groups of 128; the other paths take any width.
+    cfg["kv_width"] = draw(st.sampled_from([128, 256] if cfg["latent"] == "fp8" else [64, 96, 128, 192, 256]))
     cfg["rot"] = draw(st.sampled_from([32, 24]))
     cfg["deinterleave"] = draw(st.booleans())
     cfg["return_kv"] = draw(st.booleans())
-    latents = ["fp8", "same", None] if cfg["dtype"] == torch.bfloat16 else ["same", None]
-    cfg["latent"] = draw(st.sampled_from(latents))
     cfg["index_dim"] = draw(st.sampled_from([64, 48]))
     cfg["bias"] = draw(st.booleans())
     cfg["return_index_k"] = draw(st.booleans())
@@ -322,6 +324,59 @@ def test_zero_tokens_launches_nothing():
     assert all(torch.equal(args[n], c) for n, c in zip(("latent_cache", "index_cache"), caches))
 
 
+def _float64_kv(args):
+    """The kv role's math on float64 copies of its inputs: RMSNorm of kv_c, interleaved RoPE of
+    k_pe (pairs in place; HF's de-interleaved order with ``deinterleave_rope``)."""
+    kv_c, k_pe, w = (args[n].cpu().double() for n in ("kv_c", "k_pe", "kv_weight"))
+    kv = kv_c * torch.rsqrt((kv_c * kv_c).mean(-1, keepdim=True) + args["kv_eps"]) * w
+    cos, sin = (args[n].cpu().double() for n in ("cos", "sin"))
+    if args["positions"] is not None:
+        cos, sin = cos[args["positions"].cpu()], sin[args["positions"].cpu()]
+    even, odd = k_pe[:, 0::2], k_pe[:, 1::2]
+    first, second = even * cos - odd * sin, odd * cos + even * sin
+    in_place = torch.stack([first, second], dim=-1).flatten(-2)
+    return kv, in_place, torch.cat([first, second], dim=-1) if args["deinterleave_rope"] else in_place
+
+
+@pytest.mark.parametrize(
+    "kv_width, dtype",
+    [(64, torch.bfloat16), (96, torch.bfloat16), (192, torch.bfloat16), (192, torch.float32)],
+)
+def test_latent_of_any_width_matches_the_reference_and_float64(kv_width, dtype):
+    """The bf16 (same-dtype) latent path at kv_lora_rank widths that are no multiple of 128
+    (DeepSeek V3's HF code at 64): outputs poisoned, the latent cache random outside the written
+    slots (padding slots included), every role in the launch; kernel = reference (a few ulps),
+    and kv_out, k_pe_out and the written rows within bf16 (fp32: 2e-6) of the float64 math."""
+    gen = torch.Generator().manual_seed(kv_width)
+    cfg = dict(BASE, tokens=5, dtype=dtype, q_group=0 if dtype != torch.bfloat16 else 128, kv_width=kv_width,
+               rot=24, latent="same", deinterleave=True, index_cache=dtype == torch.bfloat16)  # fmt: skip
+    args = build_args(cfg, gen)
+    args["slots"][1] = -1
+    run_and_compare(args)  # kernel vs reference: outputs, guards, bytes outside the slots
+    outs = [poisoned(s, d)[1] for s, d in op.output_shapes(args)]
+    K.mla_kv_prologue_fwd(args, *outs)
+    kv64, in_place64, pe64 = _float64_kv(args)
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    assert relative_error(outs[2].cpu().double(), kv64) < tolerance
+    assert relative_error(outs[3].cpu().double(), pe64) < tolerance
+    slots = args["slots"].cpu()
+    rows = args["latent_cache"].view(-1, kv_width + 24)[slots[slots >= 0]].cpu().double()
+    assert relative_error(rows, torch.cat([kv64, in_place64], -1)[slots >= 0]) < tolerance
+
+
+@pytest.mark.parametrize("kv_width", [64, 192])
+def test_fp8_ds_mla_latent_of_another_width_is_refused_by_the_launcher(kv_width):
+    """The op declines it first (tests/ops/test_mla_kv_prologue.py); the launcher never writes
+    the FP8 layout's 128-wide groups over a latent that has none."""
+    gen = torch.Generator().manual_seed(1)
+    args = build_args(dict(BASE, q=False, index_k=False, kv_width=128), gen)
+    args["kv_c"] = torch.randn(3, kv_width, dtype=torch.bfloat16, device=DEVICE)
+    args["kv_weight"] = torch.ones(kv_width, dtype=torch.bfloat16, device=DEVICE)
+    outs = [torch.empty(s, dtype=d, device=DEVICE) for s, d in op.output_shapes(args)]
+    with pytest.raises(ValueError, match="fp8_ds_mla latent cache quantises kv_c in 128-wide groups"):
+        K.mla_kv_prologue_fwd(args, *outs)
+
+
 def test_launch_config_real_sizes():
     cfg = K.launch_config(1536, 128, 512, 64, 128)
     assert cfg["Q_GROUPS_BLOCK"] == 16 and cfg["Q_GROUP_BLOCK"] == 128
@@ -329,6 +384,14 @@ def test_launch_config_real_sizes():
     assert cfg["num_warps"] == 4
     cfg = K.launch_config(1536, 0, 512, 64, 128)
     assert cfg["Q_GROUPS_BLOCK"] == 1 and cfg["Q_GROUP_BLOCK"] == 2048
+    assert cfg["KV_GROUP_BLOCK"] == 128  # the fp8_ds_mla groups: DeepSeek's 512 unchanged
+
+
+@pytest.mark.parametrize("kv_width, groups, group", [(64, 1, 64), (96, 1, 128), (192, 2, 128), (320, 4, 128), (48, 1, 64)])
+def test_launch_config_tiles_any_latent_width(kv_width, groups, group):
+    cfg = K.launch_config(0, 0, kv_width, 64, 0)
+    assert (cfg["KV_GROUPS_BLOCK"], cfg["KV_GROUP_BLOCK"]) == (groups, group)
+    assert groups * group >= kv_width
     assert isinstance(K.KERNEL_VERSION, str) and K.KERNEL_VERSION
 
 

@@ -26,6 +26,7 @@ skip_unless_kernels_can_run()
 
 from fusion_compiler.kernels import mla_q_prologue as K  # noqa: E402
 from fusion_compiler.ops import mla_q_prologue as op  # noqa: E402
+from fusion_compiler.verify import relative_error  # noqa: E402
 from launch_counter import count_launches  # noqa: E402
 
 
@@ -120,8 +121,8 @@ def configs(draw):
     cfg["dtype"] = draw(st.sampled_from([torch.bfloat16] * 2 + [torch.float16, torch.float32]))
     cfg["cos_dtype"] = draw(st.sampled_from([None, torch.float32]))
     cfg["heads"] = draw(st.integers(1, 8))
-    cfg["rot"] = draw(st.sampled_from([32, 24]))
-    cfg["d_other"] = draw(st.sampled_from([0, 32, 48]))
+    cfg["rot"] = draw(st.sampled_from([32, 24, 48]))
+    cfg["d_other"] = draw(st.sampled_from([0, 32, 48, 96]))
     cfg["deinterleave"] = draw(st.booleans())
     cfg["index_heads"] = draw(st.integers(1, 8))
     cfg["index_dim"] = draw(st.sampled_from([64, 48, 32]))
@@ -177,6 +178,25 @@ def test_zero_tokens_launches_nothing():
     with count_launches() as launches:
         K.mla_q_prologue_fwd(args, *outs)
     assert launches.names == []
+
+
+@pytest.mark.parametrize("rot, d_other", [(32, 96), (48, 96), (48, 64), (48, 192)])
+@pytest.mark.parametrize("deinterleave", [False, True])
+def test_q_at_other_rope_and_nope_widths_matches_the_reference_and_float64(rot, d_other, deinterleave):
+    """q_pe RoPE + concat at widths that are no power of two and no multiple of 128 (qk_rope_head_dim
+    48, qk_nope_head_dim 96, or a serving engine's absorbed q of kv_lora_rank 64 / 192): masked
+    tiles, several heads a program; bits equal to the reference, and within bf16 of float64."""
+    gen = torch.Generator().manual_seed(rot + d_other)
+    cfg = dict(BASE, tokens=3, heads=5, rot=rot, d_other=d_other, deinterleave=deinterleave, index_q=False)
+    args = build_args(cfg, gen)
+    q_out = run_and_compare(args, lanes_per_program(256))[0]
+    q_pe, cos, sin = (args[n].cpu().double() for n in ("q_pe", "cos", "sin"))
+    cos, sin = cos[args["positions"].cpu()][:, None], sin[args["positions"].cpu()][:, None]
+    even, odd = q_pe[..., 0::2], q_pe[..., 1::2]
+    first, second = even * cos - odd * sin, odd * cos + even * sin
+    roped = torch.cat([first, second], -1) if deinterleave else torch.stack([first, second], -1).flatten(-2)
+    want = torch.cat([args["q_other"].cpu().double(), roped], -1)
+    assert relative_error(q_out.cpu().double(), want) < 1e-2
 
 
 def test_launch_config_real_sizes():
