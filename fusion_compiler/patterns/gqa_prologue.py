@@ -696,12 +696,15 @@ def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """The site in the model's terms where its math departs from every variant: the K rows'
-    dtype, or k's norm (per head with a plain weight into a paged cache, or over the whole
-    projection with Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
+    dtype, k without a norm, or k's norm (per head with a plain weight into a paged cache, or
+    over the whole projection with Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
     rows = anchor.args[2]
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
+    if isinstance(rows, torch.fx.Node) and not _normed(rows):  # GLM-4-MoE without use_qk_norm
+        return rows, ("k has no RMS norm between its projection and its RoPE: the fused GQA prologue begins at the "
+                      "q/k norms (RoPE and the cache write stay with Inductor)")  # fmt: skip
     head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
     norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
     if norm is None or head_dim is None or norm["width"] is None:

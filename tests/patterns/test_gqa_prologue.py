@@ -151,6 +151,7 @@ def _norm(kind: str):
         "head": lambda x, w, eps, d: add_rms_norm.hf(x.view(x.shape[0], -1, d), w, eps),
         "gemma_head": lambda x, w, eps, d: add_rms_norm.gemma(x.view(x.shape[0], -1, d), w, eps),
         "gemma_full": lambda x, w, eps, d: add_rms_norm.gemma(x, w, eps).view(x.shape[0], -1, d),
+        "none": lambda x, w, eps, d: x.view(x.shape[0], -1, d),
         "plain_w_head": lambda x, w, eps, d: add_rms_norm.torch_functional(x.view(x.shape[0], -1, d), w, eps),
         "offset_half_head": lambda x, w, eps, d: (
             add_rms_norm._normalize(x.view(x.shape[0], -1, d).float(), eps) * (0.5 + w.float())
@@ -200,6 +201,11 @@ def test_per_head_norm_where_full_width_is_expected_does_not_match():
     """HF's plain per-head norm fuses in HF's layout only (Qwen3-MoE, GLM-4-MoE:
     tests/patterns/test_gqa_prologue_per_head.py); into a paged cache it is a miss in words."""
     assert_missed(_near_miss("head"), "per head with a plain weight (x * w)", "paged cache")
+
+
+def test_rope_without_a_qk_norm_is_a_miss_in_words():
+    """GLM-4-MoE without use_qk_norm (HF's default): partial RoPE and the cache write, no norm."""
+    assert_missed(_near_miss("none"), "k has no RMS norm between its projection and its RoPE")
 
 
 def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
