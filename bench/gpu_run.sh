@@ -73,6 +73,11 @@
 #   moe-launches [ARGS...]   issue 27's launch count: the moe kernels' GPU tests, the router's one
 #                            launch vs two at 1-256 tokens, then bench/moe_experts.py ARGS (scan
 #                            and plan modes side by side), into $OUT/moe_launches_results.tgz
+#   moe-layers [ARGS...]     issue 27 in one call: the moe kernels' GPU tests, the router's one
+#                            launch vs two at 1-256 tokens, then bench/decode.py ARGS (HF's layers
+#                            with their experts computed, e.g. --sources hf --hf-experts compute)
+#                            into $OUT/moe_layers_results.tgz; LAYERS_END (570) is the second the
+#                            decode bench must end by
 # One-off calls of past sessions are in bench/diagnostics/*_gpu_run.sh.
 OUT=${OUT:-/tmp/out}
 phase=${1:-}; shift || true
@@ -274,6 +279,18 @@ moe-launches)
     --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
   echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
   pack moe_launches_results
+  ;;
+moe-layers)
+  R=$OUT/moe_layers_results
+  source bench/device_setup.sh "$R"
+  run_tests moe_kernel_tests 170 -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
+    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
+  timeout 110 python3 bench/moe_router_check.py --parts check,split \
+    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
+  echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 30
+  timeout $((${LAYERS_END:-570} - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" "$@" > "$R/decode.log" 2>&1
+  echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
+  pack moe_layers_results
   ;;
 moe-experts)
   R=$OUT/moe_experts_results
