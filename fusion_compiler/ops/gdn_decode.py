@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import require_dtype, require_shape, require_size_eq, require_slots_in_range
+from .padding_slots import padded_scatter_rows
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
@@ -219,8 +220,7 @@ def gdn_decode_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns (out,
     new conv_state, new recurrent_state), as ``auto_functionalized`` does. Every row is computed
     on the state at its slot clamped to >= 0; a padding row (-1) outputs zeros and writes the
-    first live row's slot with that row's own new value (or, with no live row, slot 0 with its
-    old value), so the scatter has no conflicting duplicates and needs no host sync."""
+    first live row's slot with that row's own new value (ops/padding_slots.py)."""
     args = [kwargs[name] for name in ARG_NAMES]
     dims = _validate(*args)
     mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps = args[:10]
@@ -231,18 +231,13 @@ def gdn_decode_canonical(**kwargs):
     out, conv_new, state_new = _step(
         mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_old, state_old, dims
     )
-    first = live.int().argmax().view(1)  # the first live row; 0 when none is (a tensor: no host read)
-    index = torch.where(live, safe, safe.index_select(0, first))
 
-    def write(state, old, new):
-        new = new.to(state.dtype)
-        column = (-1, *([1] * (new.dim() - 1)))
-        fill = torch.where(live.index_select(0, first).view(column), new.index_select(0, first), old.index_select(0, first))
-        rows = torch.where(live.view(column), new, fill)
-        return torch.ops.aten.index_put.default(state, [index], rows)
+    def write(state, new):
+        index, rows = padded_scatter_rows(state_slots, new.to(state.dtype), lambda t: state[t.long()])
+        return torch.ops.aten.index_put.default(state, [index.long()], rows)
 
     out = torch.where(live[:, None], out, torch.zeros_like(out))
-    return out, write(conv_state, conv_old, conv_new), write(recurrent_state, state_old, state_new)
+    return out, write(conv_state, conv_new), write(recurrent_state, state_new)
 
 
 @torch.library.custom_op(

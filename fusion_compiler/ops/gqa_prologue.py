@@ -66,6 +66,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import require_dtype, require_shape, require_size_eq, require_slots_in_range
+from .padding_slots import padded_scatter_rows
 from .rope import cos_sin_for_tokens, rope_neox_reference
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -236,7 +237,7 @@ def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_of
 def gqa_prologue_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns
     (q_out, new k_cache, new v_cache), as ``auto_functionalized`` does. Padding slots (-1) write
-    back the row they would clobber."""
+    the first live row's slot with its own row (ops/padding_slots.py)."""
     args = {name: kwargs[name] if name in kwargs else DEFAULTS[name] for name in ARG_NAMES}
     *_, rotary_dim = _validate(**args)
     cos, sin, positions = args["cos"], args["sin"], args["positions"]
@@ -252,12 +253,11 @@ def gqa_prologue_canonical(**kwargs):
 
     def write(cache, rows, scale):
         paged = paged_view(cache, heads_first)
-        safe = slots.clamp(min=0)
-        index = [safe // paged.shape[1], safe % paged.shape[1]]
         if cache.dtype == torch.float8_e4m3fn:
             rows = (rows.double() / scale).float().clamp(-FP8_MAX, FP8_MAX)
-        rows = torch.where((slots >= 0)[:, None, None], rows.to(cache.dtype), paged[index[0], index[1]])
-        return paged_view(torch.ops.aten.index_put.default(paged, index, rows), heads_first)
+        block = paged.shape[1]
+        targets, rows = padded_scatter_rows(slots, rows.to(cache.dtype), lambda t: paged[t // block, t % block])
+        return paged_view(torch.ops.aten.index_put.default(paged, [targets // block, targets % block], rows), heads_first)
 
     k_new = write(args["k_cache"], k_out, args["k_scale"])
     return q_out.contiguous(), k_new, write(args["v_cache"], args["v"], args["v_scale"])

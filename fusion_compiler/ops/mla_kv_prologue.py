@@ -51,6 +51,7 @@ from ._checks import (
     require_slots_in_range,
 )
 from .fp8_quant import FP8_DTYPE, fp8_group_quant_reference, scales_column_major
+from .padding_slots import padded_scatter_rows
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LATENT_GROUP = 128
@@ -246,16 +247,15 @@ def mla_kv_prologue_reference(
 def mla_kv_prologue_canonical(**kwargs):
     """The same math as a functional graph Inductor fuses (lowering "inductor"): returns the
     op's five outputs, then the new latent and index caches (None where absent), like
-    ``auto_functionalized`` does. Padding slots (-1) write back the row they would clobber."""
+    ``auto_functionalized`` does. Padding slots (-1) write the first live row's slot with its own row (ops/padding_slots.py)."""
     args = {**DEFAULTS, **kwargs}
     _validate(args)
     written = {}
 
     def write(cache, slots, rows):
         flat = cache.reshape(-1, cache.shape[-1])
-        safe = slots.clamp(min=0)
-        rows = torch.where((slots >= 0).unsqueeze(-1), rows, flat[safe])
-        written[id(cache)] = torch.ops.aten.index_put.default(flat, [safe], rows).reshape(cache.shape)
+        targets, rows = padded_scatter_rows(slots, rows, lambda t: flat[t])
+        written[id(cache)] = torch.ops.aten.index_put.default(flat, [targets], rows).reshape(cache.shape)
 
     outs = _prologue(args, write, exact=False)
     return (*outs, written.get(id(args["latent_cache"])), written.get(id(args["index_cache"])))

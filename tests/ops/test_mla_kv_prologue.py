@@ -21,10 +21,10 @@ def _kv_args(width: int, cache_dtype: torch.dtype, tokens: int = 4, seed: int = 
     gen = torch.Generator().manual_seed(seed)
     row = op.latent_cache_width(width, ROT, cache_dtype)
     cache = torch.randint(0, 256, (3, 4, row * (1 if cache_dtype == torch.uint8 else 2)), generator=gen, dtype=torch.uint8)
-    # Slot 0 left out: the canonical decomposition writes a padding slot (-1) back to row 0,
-    # which a real token's write to row 0 in the same step would race (index_put's duplicates).
+    # A live write to slot 0 before a padding slot (-1): CPU's index_put applies duplicates in
+    # order, so a padding row that wrote slot 0's old bytes back would win here.
     slots = torch.randperm(11, generator=gen)[:tokens] + 1
-    slots[1] = -1
+    slots[0], slots[1] = 0, -1
     return dict(
         kv_c=torch.randn(tokens, width, generator=gen).to(torch.bfloat16),
         k_pe=torch.randn(tokens, ROT, generator=gen).to(torch.bfloat16),
