@@ -55,7 +55,7 @@ from .moe_route_select import _moe_route_kernel
 
 # Bump whenever the kernel or its launch configuration changes: the compiler hashes it into
 # the Inductor cache key.
-KERNEL_VERSION = "moe_route-17"
+KERNEL_VERSION = "moe_route-18"
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,10 +64,13 @@ _GROUP_TOP = 2  # DeepSeek V3 scores a group by the sum of its 2 best experts
 # The launch tables (H200, CUDA-graph µs, DeepSeek / MiniMax / Qwen3.5; bench/NOTES.md section 7).
 #
 # Up to this many tokens the router GEMM and the routing are one launch (the last programs of the
-# GEMM route, one token each); above it, two launches. One launch 7.17 / 6.06 / 8.83 at 1 token
-# and 8.13 / 6.94 / 9.66 at 2, against two launches' 8.3-9.4 / 6.8-7.5 / 10.4-11.3 at 1-16
-# tokens. Above 16 tokens (several token tiles, 64-column GEMM steps) the same tail routes them.
-FUSED_GEMM_MAX_TOKENS = 256
+# GEMM route, one token each); above it, two launches. H200, b735b68
+# (results/moe_router_split_h200_b735b68.json): one launch 5.28 / 4.17 / 5.62 at 1 token against
+# two launches' 5.72 / 4.79 / 6.89; from 2 tokens two launches are faster (2: 7.39 / 6.19 / 7.94
+# against 7.66 / 6.22 / 8.86; 64: 7.89 / 5.67 / 8.66 against 9.05 / 6.80 / 9.56; 256: 14.70 /
+# 9.41 / 17.39 against 17.68 / 10.97 / 19.79). The several-tile one launch stays available
+# through ``MoeRouteConfig.fused_gemm_max_tokens``.
+FUSED_GEMM_MAX_TOKENS = 1
 # At most this many routers (min(T, programs)) wait for the GEMM's last program: fewer than an
 # H200's 132 SMs, so the programs they wait for always find a slot. Past it, two launches.
 MAX_ROUTERS = 128
