@@ -1,6 +1,11 @@
 """One decode step, per decoder layer, six ways side by side (issue 7): HF's code and our
 reference decode layers, at real widths with random weights.
 
+Models: deepseek-v3.2, minimax-m2.5 and qwen3.5 on both sources (the default); qwen3-moe
+(Qwen3-235B-A22B) and glm4-moe (GLM-4.5) on HF's code only (``--sources hf``; we have no
+reference layer for them), built from a transformers config alone (``bench/hf_configs.py``,
+``model_adapters.adapter_from_hf_config``): every layer of their stacks is an MoE layer.
+
     eager            the model as written
     eager_graph      the same step captured by hand in one CUDA graph
     inductor         stock torch.compile
@@ -54,6 +59,7 @@ layer's cache / state bytes read once.
 
     python bench/decode.py --out bench/results/decode_h200.json --png bench/results/decode_h200.png
     python bench/decode.py --models minimax-m2.5 --sources reference --batches 1 64 --out r.json
+    python bench/decode.py --models qwen3-moe glm4-moe --sources hf --batches 1 --out h.json
     python bench/decode.py --smoke      # CPU, tiny: build, compile, compare and report; no timing
 """
 
@@ -63,9 +69,11 @@ import argparse
 import dataclasses
 import gc
 import importlib
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -74,19 +82,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import hf_configs  # noqa: E402
 
 import fusion_compiler as fc  # noqa: E402
 from fusion_compiler.cudagraph import kernel_nodes  # noqa: E402
 from fusion_compiler.inspect import counting  # noqa: E402
 from fusion_compiler.inspect.run import build_stack  # noqa: E402
-from fusion_compiler.model_adapters import base, get_adapter, make_decode_step  # noqa: E402
+from fusion_compiler.model_adapters import ModelAdapter, adapter_from_hf_config, base, get_adapter, make_decode_step  # noqa: E402
 from fusion_compiler.model_adapters.reference import moe  # noqa: E402
 from fusion_compiler.verify import relative_error  # noqa: E402
 
+SOURCES = ("reference", "hf")
 MODES = ("eager", "eager_graph", "inductor", "inductor_graph", "reduce_overhead", "fusion_compiler")
 SMOKE_MODES = ("eager", "inductor", "fusion_compiler")
 GRAPH_MODES = ("eager_graph", "inductor_graph")  # captured here, by hand
-MODELS = {"deepseek-v3.2": "deepseek_v32", "minimax-m2.5": "minimax_m2", "qwen3.5": "qwen35"}
+MODELS = {"deepseek-v3.2": "deepseek_v32", "minimax-m2.5": "minimax_m2", "qwen3.5": "qwen35"}  # -> reference layer
+HF_ONLY = tuple(hf_configs.CONFIGS)  # built from their config (hf_configs.py); no reference layer
 HF_PREFILL = 16
 DEFAULT_CONTEXT = 4096  # every reference config's RoPE table (max_position) must cover it
 CALLS, REPEATS = 20, 10
@@ -137,9 +148,30 @@ def _hf_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torc
     return found
 
 
+def config_adapter(model: str, size: str) -> ModelAdapter:
+    """The adapter of one of ``HF_ONLY``, from its config file: real widths, or ``hf_configs.tiny``'s
+    (an adapter built from a config has that config as both its "tiny" and its "real" one)."""
+    config = hf_configs.CONFIGS[model]
+    if size == "tiny":
+        config = hf_configs.tiny(config)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "config.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        return adapter_from_hf_config(path)
+
+
 def build_hf(model: str, kinds: tuple[str, ...], size: str, device: str, experts: str) -> Stack:
-    adapter = get_adapter(model)
-    built = build_stack(adapter, size, kinds, device, torch.bfloat16)
+    if model in MODELS:
+        adapter, stack_kinds = get_adapter(model), kinds
+    else:
+        adapter = config_adapter(model, size)
+        # Such an adapter calls every layer a "decoder"; the bench's "moe" is one with a router.
+        stack_kinds = tuple(adapter.layer_kinds(adapter.hf_config(size, len(kinds))))
+    built = build_stack(adapter, size, stack_kinds, device, torch.bfloat16)
+    if model not in MODELS and len(base.router_sites(built)) != len(kinds):
+        raise ValueError(f"{model}: {len(kinds)} MoE layers asked for, the stack has "
+                         f"{len(base.router_sites(built))} routers")  # fmt: skip
     modules = _hf_experts(built)
     routed = sum(moe.weight_bytes(m) for _, _, m in modules)
     if experts == "zeros":
@@ -228,6 +260,7 @@ class Step:
 class Compiled:
     fn: Callable
     backend: fc.FusionBackend | None = None
+    expected: dict = dataclasses.field(default_factory=dict)
 
 
 def compile_modes(modes, model: torch.nn.Module, expected: dict) -> dict[str, Compiled]:
@@ -246,7 +279,7 @@ def compile_modes(modes, model: torch.nn.Module, expected: dict) -> dict[str, Co
         else:
             # Not strict: a miss is a result here (the report goes into the JSON), not an abort.
             backend = fc.FusionBackend(fc.FusionConfig(expected=expected))
-            compiled[mode] = Compiled(torch.compile(model, backend=backend), backend)
+            compiled[mode] = Compiled(torch.compile(model, backend=backend), backend, expected)
     return compiled
 
 
@@ -321,6 +354,7 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         report = compiled.backend.report
         row["matches"] = report.summary()
         row["missing_expected"] = report.to_dict().get("missing_expected", [])
+        row["fused"] = fused_counts(report, compiled.expected)
         # Why each miss missed, so a result with a miss explains itself.
         row["misses"] = [{"family": m.family, "module": m.module, "reason": m.reason, "stopped_at": m.stopped_at}
                          for m in report.misses()]  # fmt: skip
@@ -333,6 +367,17 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         row["graph_kernel_nodes"] = sum(nodes) if nodes and None not in nodes else None
         row["step_graphs_replayed"] = len(used)
     return row, out, state
+
+
+def fused_counts(report, expected: dict) -> dict[str, list[int]]:
+    """Family -> [expected sites fused, expected sites]; a site fused again (another batch's
+    graph) counts once."""
+    out = {}
+    for family, modules in expected.items():
+        if modules:
+            found = report.per_module(family)
+            out[family] = [sum(min(found.get(m, 0), n) for m, n in modules.items()), sum(modules.values())]
+    return out
 
 
 PINNED_MODES = ("inductor", "fusion_compiler")
@@ -493,6 +538,12 @@ def summary_line(row: dict) -> str:
         parts.append(f"x{row['speedup_vs_stock_inductor_graph']:.2f} vs stock+graph")
     if "ours_pct_of_weight_floor" in row.get("floor", {}):
         parts.append(f"{row['floor']['ours_pct_of_weight_floor']:.0f}% of weight floor")
+    fused = row["stacks"]["two"]["modes"].get("fusion_compiler", {}).get("fused")
+    if fused:
+        parts.append("fused " + " ".join(f"{family} {n}/{total}" for family, (n, total) in fused.items()))
+    errors = sorted({mode for stack in row["stacks"].values() for mode, result in stack["modes"].items() if "error" in result})
+    if errors:
+        parts.append(f"errors: {' '.join(errors)}")
     return " | ".join(parts)
 
 
@@ -522,12 +573,22 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def select_cases(sources: list[str] | None, models: list[str], kinds: list[str] | None) -> list[tuple[str, str, str]]:
+    """(source, model, layer kind) of every case; ``sources`` None: each model's own (HF's only
+    for ``HF_ONLY``)."""
+    return [(source, model, kind) for source in sources or SOURCES for model in models
+            if source == "hf" or model in MODELS
+            for kind in layer_pairs(source, model) if kinds is None or kind in kinds]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON path (required unless --smoke)")
     parser.add_argument("--png", help="chart of µs per layer")
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--sources", nargs="*", default=["reference", "hf"], choices=["reference", "hf"])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=[*MODELS, *HF_ONLY],
+                        help=f"default: {' '.join(MODELS)}; {' and '.join(HF_ONLY)} have HF's code only (--sources hf)")
+    parser.add_argument("--sources", nargs="*", default=None, choices=SOURCES,
+                        help="default: every source each model has")
     parser.add_argument("--kinds", nargs="*", default=None, help="layer kinds to measure (default: all of each model)")
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
@@ -538,6 +599,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-pinned", action="store_true", help="skip vs_eager_pinned (DeepSeek's selection pinned)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny widths, context 32: correctness and reports only")
     args = parser.parse_args(argv)
+    refused = [model for model in args.models if model in HF_ONLY] if "reference" in (args.sources or ()) else []
+    if refused:
+        parser.error(f"--sources reference: no reference layer for {' or '.join(refused)} "
+                     "(HF's code only: pass --sources hf)")  # fmt: skip
     if args.smoke:
         args.device, args.context = "cpu", 32
     elif not args.out:
@@ -546,8 +611,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.device = "cuda"
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     bandwidth = None if args.smoke else common.copy_bandwidth_gbs()
-    cases = [(source, model, kind) for source in args.sources for model in args.models
-             for kind in layer_pairs(source, model) if args.kinds is None or kind in args.kinds]  # fmt: skip
+    cases = select_cases(args.sources, args.models, args.kinds)
     try:
         from tqdm import tqdm
 
