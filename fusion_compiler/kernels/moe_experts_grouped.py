@@ -7,7 +7,7 @@ all its pairs with ``tl.dot`` tiles. The op's semantics and rounding points:
 P = T * k pairs, gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I],
 S = min(E, P) expert slots (at most that many experts can be touched). Two modes.
 
-Scan mode (up to ``GroupedConfig.scan_max_pairs`` pairs, every decode batch): two launches.
+Scan mode (up to ``GroupedConfig.scan_max_pairs`` pairs; off as shipped, slower on the H200): two launches.
 
     gate_up, grid (S, cdiv(I, BN)):    each program histograms all P ids (padding, an id outside
                                        [0, E), in bin E) and takes the slot-th touched expert in
@@ -27,7 +27,7 @@ Scan mode (up to ``GroupedConfig.scan_max_pairs`` pairs, every decode batch): tw
                                        float(y[(t, k)]), rounded once (deterministic, no float
                                        atomics; the same bits as the combine kernel's).
 
-Plan mode (past it: long prefills, where every program would re-read P ids per tile): four.
+Plan mode (past it; every batch as shipped): four.
 
     align,   grid (1,):                one program loads all P ids, maps padding past the last
                                        expert, sorts the keys ``expert * P_POW2 + pair`` with
@@ -66,7 +66,7 @@ from ._device import launch_on_device, mma
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, prepare, silu_mul_rounded
 
-KERNEL_VERSION = "moe_experts_grouped-2"
+KERNEL_VERSION = "moe_experts_grouped-3"
 
 # Pairs per expert a GEMM program takes at once: tl.dot needs >= 16 rows; the average run
 # (P / E) sets it up to 64, past which a longer run loops (e.g. MiniMax at 64 tokens: 512 pairs
@@ -101,9 +101,12 @@ class GroupedConfig:
     # Up to this many pairs, scan mode (2 launches): every GEMM program finds its slot's expert
     # and pairs in the ids itself (a histogram of all P ids, then a cumsum rank per tile,
     # ``scan_chunk`` ids at a time), and the down kernel combines (arrival counters), so there is
-    # no align and no combine launch. Past it (long prefills: every program would re-scan
-    # P ids per tile), plan mode: align, gate/up, down, combine. 0: always plan mode.
-    scan_max_pairs: int = 4096
+    # no align and no combine launch. Past it, plan mode: align, gate/up, down, combine. Shipped
+    # 0 (always plan mode): on the H200 scan mode is 1.49x slower, Qwen3.5 at 64 tokens 3211 us
+    # (67% of copy bw) against plan mode's 2153 us (101%), alone and inside HF's layer alike
+    # (results/moe_experts_scan_vs_plan_h200_qwen64_d926c86.json,
+    # results/profile_step_h200_hf_qwen_b64_experts_d926c86.json; bench/NOTES.md section 19).
+    scan_max_pairs: int = 0
     scan_chunk: int = 256
 
 

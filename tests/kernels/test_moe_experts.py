@@ -49,7 +49,7 @@ SMALL = K.LaunchConfig(16, 32, 2, 32, 16, 2)
 SMALL_PIPELINED = K.LaunchConfig(16, 32, 2, 32, 16, 2, gate_up_stages=2, down_stages=3)
 # Grouped: G_BIG one column block and one loop step; G_SMALL several of each, BLOCK_M 16.
 G_BIG = G.GroupedConfig(16, 64, 128, 4, 1, 128, 64, 4, 1, 128, 4)
-G_SMALL = G.GroupedConfig(16, 16, 32, 2, 2, 32, 16, 2, 1, 32, 2)
+G_SMALL = G.GroupedConfig(16, 16, 32, 2, 2, 32, 16, 2, 1, 32, 2, scan_max_pairs=4096)  # scan mode
 LAUNCHES = {"small": (K.small_batch_experts, BIG, SMALL), "grouped": (G.grouped_experts, G_BIG, G_SMALL)}
 
 
@@ -390,5 +390,5 @@ def test_grouped_scan_mode_equals_plan_mode_on_cuda(model, tokens):
             ids[:, 0] = 7
             ids[:, 1:] = torch.where(ids[:, 1:] == 7, 8, ids[:, 1:])
         w = torch.rand(tokens, top_k, generator=gen, device="cuda").softmax(dim=-1)
-        scan = G.grouped_experts(x, ids, w, gate_up, down)
+        scan = G.grouped_experts(x, ids, w, gate_up, down, dataclasses.replace(plan, scan_max_pairs=4096))
         assert torch.equal(scan, G.grouped_experts(x, ids, w, gate_up, down, plan)), f"seed {seed}"

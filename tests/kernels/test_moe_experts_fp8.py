@@ -46,7 +46,7 @@ SMALL = K.LaunchConfig(gate_up_block_n=128, gate_up_block_k=64, down_block_n=64,
 SMALL_PIPELINED = K.LaunchConfig(128, 64, 2, 64, 64, 2, gate_up_stages=2, down_stages=3)
 # Grouped: G_BIG one column block; G_SMALL BLOCK_M 16 (runs loop) and several down column blocks.
 G_BIG = K.GroupedConfig(block_m=64, down_block_n=256, combine_block=256)
-G_SMALL = K.GroupedConfig(block_m=16, down_block_n=32, combine_block=64)
+G_SMALL = K.GroupedConfig(block_m=16, down_block_n=32, combine_block=64, scan_max_pairs=4096)  # scan mode
 LAUNCHES = {"small": (K.small_batch_experts_fp8, BIG, SMALL), "grouped": (K.grouped_experts_fp8, G_BIG, G_SMALL)}
 
 
