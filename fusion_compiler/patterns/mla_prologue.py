@@ -582,9 +582,31 @@ def is_site(node: torch.fx.Node) -> bool:
     return any(_is_rotate_half(x) for x in (*left, *right))
 
 
+def _pair_slice(node) -> torch.fx.Node | None:
+    """``x[..., 0::2]`` or ``x[..., 1::2]`` (through casts): one half of GPT-J pairs."""
+    node = _strip(node)
+    is_pair = isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor and len(node.args) > 4
+    return node if is_pair and node.args[4] == 2 else None
+
+
+def _in_indexer(node: torch.fx.Node) -> bool:
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    return bool(paths) and "indexer" in str(paths[-1]).rsplit(".", 1)[-1].lower()
+
+
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """A RoPE whose rotated tensor is also used outside the rotation cannot fuse (the op
-    returns the rotated values only); other departures get Inductor's FailedMatch text."""
+    returns the rotated values only); an indexer that ropes interleaved pairs has no variant
+    (DeepSeek V3.2's indexer ropes NeoX halves); other departures get Inductor's FailedMatch
+    text."""
+    if _in_indexer(anchor):
+        pairs = [_pair_slice(x) for mul in anchor.args for x in (_mul_operands(mul) or ())]
+        pairs = [p for p in pairs if p is not None]
+        if pairs:
+            return pairs[0], (
+                "the indexer ropes interleaved (GPT-J) pairs; the indexer prologue's kernels rotate NeoX "
+                "halves, as DeepSeek V3.2's indexer does, and have no pairs layout"
+            )
     for mul in anchor.args:
         for operand in mul.args:
             source = _sliced_from(operand)
