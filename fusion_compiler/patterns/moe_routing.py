@@ -1,17 +1,31 @@
 """MoE routing: router logits -> (weights, expert ids) as one fused op (``ops/moe_route.py``).
 
-Variants are the routing math as real code writes it, keyed on the math, not on module names:
+Variants are the routing math as real code writes it, keyed on the math, not on module names.
+The scores are an elementwise function of the logits, sigmoid or softmax over the experts; a
+router scoring them any other way (softplus, tanh, ...) is a site declined with the function
+named. Each variant fixes the rest of the math:
 
 * ``sigmoid_bias``: sigmoid scores, + a correction bias for the choice only, top-k, weights
-  gathered from the *unbiased* scores, renormalised (HF MiniMax-M2.5's ``MiniMaxM2TopKRouter``;
-  DeepSeek V3's math without expert groups).
-* ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF
-  Qwen3.5's ``Qwen3_5MoeTopKRouter``).
-
-* ``sigmoid_bias_grouped``: DeepSeek V3/V3.2's ``noaux_tc`` routing (HF ``DeepseekV32TopkRouter``):
-  sigmoid + bias, each group scored by the sum of its 2 best experts, the ``topk_group`` best
-  groups kept (the others masked to -inf), top-k, unbiased weights renormalised with
-  ``+ renorm_eps`` (HF 1e-20) and scaled by ``routed_scaling_factor``.
+  gathered from the *unbiased* scores, renormalised (HF MiniMax-M2.5's ``MiniMaxM2TopKRouter``).
+* ``sigmoid_bias_grouped``: DeepSeek V3/V3.2's ``noaux_tc`` routing (HF ``DeepseekV3TopkRouter``,
+  ``DeepseekV32TopkRouter``, ``Glm4MoeTopkRouter``): sigmoid + bias, each group scored by the sum
+  of its 2 best experts, the ``topk_group`` best groups kept (the others masked to -inf), top-k,
+  unbiased weights renormalised with ``+ renorm_eps`` (HF 1e-20) and scaled by
+  ``routed_scaling_factor`` (any value, 1 included).
+* ``sigmoid_bias_grouped_unnormalised``: the same with ``norm_topk_prob=False``: the gathered
+  weights times ``routed_scaling_factor``, no renormalisation.
+* ``sigmoid_bias_n_group_1`` and ``sigmoid_bias_n_group_1_unnormalised``: the grouped code with
+  ``n_group=1, topk_group=1`` (GLM-4.5; HF glm4_moe's defaults), fused as no grouping. Inductor's
+  joint graph has rewritten its group mask, a scatter of one index a row, into a compare with the
+  group numbers (``_one_hot_group_mask``). One group kept of several (``topk_group`` 1 <
+  ``n_group``) is the same compare before a copy: declined, saying so (no model we know routes
+  that way).
+* ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF Qwen3.5,
+  and Qwen3-MoE / Qwen3-Next / OLMoE with ``norm_topk_prob=True``).
+* ``softmax_unnormalised``: the same without renormalising (``norm_topk_prob=False``, HF's default
+  for Qwen3-MoE and OLMoE).
+* ``softmax_fp32_weights``: softmax of the upcast logits, top-k, renormalised, the weights left in
+  fp32 (HF Mixtral's ``MixtralTopKRouter``); with fp32 logits it is ``softmax``.
 
 Each routing math comes twice: with the router GEMM in front (``F.linear`` of the hidden
 states and the router weight, as an fp32 GEMM of upcast operands like DeepSeek's, or in the
@@ -19,8 +33,9 @@ weight's dtype like MiniMax's and Qwen's), replaced by ``moe_router`` (GEMM + ro
 launch at few tokens), and from the logits, replaced by ``moe_route``. The GEMM forms are
 tried first; a router whose logits are also used elsewhere (returned, or fed to an aux loss)
 fails them, because the logits would have to stay, and fuses from its logits instead.
-Widest of all: the GEMM form plus Qwen3.5's shared-expert gate, ``sigmoid(F.linear(hidden,
-gate_weight))`` with a one-row weight on the same hidden states, computed as one more GEMM row.
+Widest of all, for the softmax routes: the GEMM form plus Qwen's shared-expert gate,
+``sigmoid(F.linear(hidden, gate_weight))`` with a one-row weight on the same hidden states,
+computed as one more GEMM row.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..fx.graph_walk import upstream, val_shape
 from ..ops import moe_route as route_ops
 from .registry import Family, Reason, Variant
 
@@ -48,6 +64,7 @@ _TOKENS = 2
 _HIDDEN = 1117
 _RENORM_EPS = 1.2345e-21
 _SCALE = 2.3456
+_SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE}
 
 
 def sigmoid_bias(logits, bias, top_k):
@@ -57,19 +74,40 @@ def sigmoid_bias(logits, bias, top_k):
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
-def sigmoid_bias_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
-    scores = logits.sigmoid()
-    choice = scores + bias
+def _scattered_group_mask(group_scores, group_idx, n_group):
+    return torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+
+
+def _one_hot_group_mask(group_scores, group_idx, n_group):
+    """The scatter above where one group is kept, as Inductor's joint graph rewrites it
+    (``scatter_upon_const_tensor``: a scatter of one index a row into a constant is a compare)."""
+    hit = group_idx.expand(group_scores.shape) == torch.arange(n_group, device=group_idx.device).view(1, n_group)
+    return torch.where(hit, 1, 0).to(group_scores.dtype)
+
+
+def _experts_of_top_groups(choice, top_k, n_group, topk_group):
+    """DeepSeek's group-limited choice: the top-k experts of the ``topk_group`` best groups."""
     experts = choice.shape[-1]
     group_scores = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    group_mask = (_one_hot_group_mask if topk_group == 1 else _scattered_group_mask)(group_scores, group_idx, n_group)
     score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, experts // n_group).reshape(-1, experts)
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    return torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+
+
+def sigmoid_bias_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
+    scores = logits.sigmoid()
+    ids = _experts_of_top_groups(scores + bias, top_k, n_group, topk_group)
     weights = scores.gather(1, ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
     return weights * scale, ids
+
+
+def sigmoid_bias_grouped_unnormalised(logits, bias, top_k, n_group, topk_group, scale):
+    scores = logits.sigmoid()
+    ids = _experts_of_top_groups(scores + bias, top_k, n_group, topk_group)
+    return scores.gather(1, ids) * scale, ids
 
 
 def softmax(logits, top_k):
@@ -77,6 +115,18 @@ def softmax(logits, top_k):
     values, ids = torch.topk(probs, top_k, dim=-1)
     values = values / values.sum(dim=-1, keepdim=True)
     return values.to(logits.dtype), ids
+
+
+def softmax_unnormalised(logits, top_k):
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    return values.to(logits.dtype), ids
+
+
+def softmax_fp32_weights(logits, top_k):
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    return values / values.sum(dim=-1, keepdim=True), ids
 
 
 def fp32_gemm(hidden, router_weight):
@@ -125,10 +175,31 @@ def _with_shared_gate(search: Callable) -> Callable:
     return _signed(gated, [*params[:2], "gate_weight", *params[2:]])
 
 
+def _without_groups(route: Callable) -> Callable:
+    """``route`` with n_group and topk_group 1 (GLM-4.5's: the grouped code with no
+    grouping). Inductor has rewritten its group mask (``_one_hot_group_mask``), and the expanded
+    mask reshapes as a view, where a mask of several groups is copied first."""
+
+    def search(logits, bias, top_k, *rest):
+        return route(logits, bias, top_k, 1, 1, *rest)
+
+    return _signed(search, [p for p in _params(route) if p.name not in ("n_group", "topk_group")])
+
+
+_GROUPED = {"scoring": "sigmoid", "grouped": True}
+_UNNORMALISED = {"renormalise": False}
+_ONE_GROUP = {"n_group": 1, "topk_group": 1}
+# The renormalised routes come first: an unnormalised route is the first part of one.
 ROUTES = (
-    ("sigmoid_bias_grouped", sigmoid_bias_grouped, {"scoring": "sigmoid", "grouped": True}),
+    ("sigmoid_bias_grouped", sigmoid_bias_grouped, _GROUPED),
+    ("sigmoid_bias_n_group_1", _without_groups(sigmoid_bias_grouped), {**_GROUPED, **_ONE_GROUP}),
+    ("sigmoid_bias_grouped_unnormalised", sigmoid_bias_grouped_unnormalised, {**_GROUPED, **_UNNORMALISED}),
+    ("sigmoid_bias_n_group_1_unnormalised", _without_groups(sigmoid_bias_grouped_unnormalised),
+     {**_GROUPED, **_UNNORMALISED, **_ONE_GROUP}),
     ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
+    ("softmax_fp32_weights", softmax_fp32_weights, {"scoring": "softmax", "weights_dtype": torch.float32}),
     ("softmax", softmax, {"scoring": "softmax"}),
+    ("softmax_unnormalised", softmax_unnormalised, {"scoring": "softmax", **_UNNORMALISED}),
 )
 # Registration order is the order Inductor tries patterns at a node: the widest match first
 # (router GEMM + shared-expert gate, then the GEMM alone, then from the logits).
@@ -137,6 +208,7 @@ VARIANTS = (
         Variant(f"{name}+gemm+shared_gate", _with_shared_gate(_with_router_gemm(route, gemm)),
                 {**params, "gemm": "gemm", "shared_gate": True})
         for name, route, params in ROUTES
+        if params["scoring"] == "softmax"  # Qwen's gated shared expert sits beside softmax routing only
     )
     + tuple(
         Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
@@ -155,8 +227,10 @@ def _logits_dtype(variant: Variant, operand_dtype: torch.dtype) -> torch.dtype:
 def example_inputs(variant: Variant, combo) -> list:
     (dtype,) = combo  # the logits' dtype, or the GEMM operands' with a GEMM form
     grouped = variant.params.get("grouped")
-    if grouped and _logits_dtype(variant, dtype) != torch.float32:
-        return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM)
+    if grouped and (_logits_dtype(variant, dtype) != torch.float32 or variant.params.get("gemm") == "gemm"):
+        return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM: fp32_gemm's trace)
+    if variant.params.get("weights_dtype") == _logits_dtype(variant, dtype):
+        return None  # without a cast back, the same trace as the route that casts back
     experts = _GROUPED_EXPERTS if grouped else _EXPERTS
     tokens = _TOKENS if grouped else 3
     if variant.params.get("gemm"):
@@ -165,11 +239,13 @@ def example_inputs(variant: Variant, combo) -> list:
             head.append(torch.randn(1, _HIDDEN, dtype=dtype))
     else:
         head = [torch.randn(tokens, experts, dtype=dtype)]
-    if grouped:
-        return head + [torch.randn(experts), _TOP_K, _N_GROUP, _TOPK_GROUP, _RENORM_EPS, _SCALE]
-    if variant.params["scoring"] == "sigmoid":
-        return head + [torch.randn(experts), _TOP_K]
-    return head + [_TOP_K]
+    tail = [torch.randn(experts) if p == "bias" else _SCALARS[p] for p in _route_params(variant)]
+    return head + tail
+
+
+def _route_params(variant: Variant) -> list[str]:
+    """The routing arguments of ``variant``'s search function (after logits or the GEMM's)."""
+    return [p for p in inspect.signature(variant.search).parameters if p == "bias" or p in _SCALARS]
 
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,8 +272,8 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
         sources = {getattr(a, "target", None) for a in node.args if isinstance(a, torch.fx.Node)}
         if node.target is aten.add.Tensor and aten.sum.dim_IntList in sources and constant is not None:
             facts["graph_renorm_eps"] = constant  # w / (w.sum() + eps)
-        elif node.target is aten.mul.Tensor and aten.div.Tensor in sources and constant is not None:
-            facts["graph_scale"] = constant  # (w / ...) * scale
+        elif node.target is aten.mul.Tensor and sources & {aten.div.Tensor, aten.gather.default} and constant is not None:
+            facts["graph_scale"] = constant  # (w / ...) * scale, or w * scale
         elif node.target in (aten.sum.dim_IntList, aten.amax.default):
             facts["reduce_dims"].add(tuple(node.args[1]))
         elif node.target is aten.gather.default:
@@ -228,7 +304,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if values["reduce_dims"] - {(-1,), (1,)}:
         return f"a reduction runs over dims {sorted(values['reduce_dims'])}, not the expert dim"
     if variant.params.get("grouped"):
-        reason = _group_reason(values, experts, top_k)
+        reason = _group_reason(values, variant, experts, top_k)
         if reason:
             return reason
     bias = values.get("bias")
@@ -260,8 +336,11 @@ def _gemm_reason(values, variant: Variant) -> Reason:
     return None
 
 
-def _group_reason(values, experts: int, top_k: int) -> Reason:
+def _group_reason(values, variant: Variant, experts: int, top_k: int) -> Reason:
     n_group, topk_group = values.get("n_group"), values.get("topk_group")
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if name in variant.params and v != variant.params[name]:
+            return f"{name} is {v}; the pattern's group mask is the one of {name} {variant.params[name]}"
     for name, v in (("n_group", n_group), ("topk_group", topk_group)):
         if not isinstance(v, int) or isinstance(v, bool):
             return f"{name} is not a constant int (got {v})"
@@ -279,22 +358,23 @@ def _group_reason(values, experts: int, top_k: int) -> Reason:
         return f"topk_group {topk_group} is not in [1, {n_group}]"
     if top_k > topk_group * (experts // n_group):
         return f"top_k {top_k} is larger than the {topk_group * (experts // n_group)} experts left unmasked"
-    for name in ("renorm_eps", "scale"):
+    for name in {"renorm_eps", "scale"} & set(_route_params(variant)):
         if not isinstance(values.get(name), (int, float)):
             return f"{name} is not a constant number (got {values.get(name)})"
     return None
 
 
-def _grouped_args(logits_dtype, bias, top_k, n_group, topk_group, renorm_eps, scale):
-    return (bias, top_k, n_group, topk_group, 0, True, float(renorm_eps), float(scale), torch.float32)
-
-
-def _sigmoid_args(logits_dtype, bias, top_k):
-    return (bias, top_k, 1, 1, 0, True, 0.0, 1.0, torch.float32)
-
-
-def _softmax_args(logits_dtype, top_k):
-    return (None, top_k, 1, 1, 1, True, 0.0, 1.0, logits_dtype)
+def _routing_args(variant: Variant, logits_dtype: torch.dtype, args) -> tuple:
+    """moe_route's routing arguments from the search function's routing arguments: what the
+    search does not take is what its math fixes (no bias, one group, no renormalisation or eps,
+    scale 1; softmax weights in the logits' dtype, sigmoid weights in fp32)."""
+    named = dict(zip(_route_params(variant), args))
+    params = variant.params
+    softmax_scores = params["scoring"] == "softmax"
+    weights_dtype = params.get("weights_dtype", logits_dtype if softmax_scores else torch.float32)
+    return (named.get("bias"), named["top_k"], named.get("n_group", 1), named.get("topk_group", 1),
+            route_ops.SCORING[params["scoring"]], params.get("renormalise", True), float(named.get("renorm_eps", 0.0)),
+            float(named.get("scale", 1.0)), weights_dtype)  # fmt: skip
 
 
 def replacement(variant: Variant, lowering: str):
@@ -303,12 +383,9 @@ def replacement(variant: Variant, lowering: str):
     inductor = lowering == "inductor"
     route = route_ops.moe_route_reference if inductor else torch.ops.fusion_compiler.moe_route
     router = route_ops.moe_router_reference if inductor else torch.ops.fusion_compiler.moe_router
-    if variant.params.get("grouped"):
-        routing_args = _grouped_args
-    elif variant.params["scoring"] == "sigmoid":
-        routing_args = _sigmoid_args
-    else:
-        routing_args = _softmax_args
+
+    def routing_args(logits_dtype, *args):
+        return _routing_args(variant, logits_dtype, args)
 
     if variant.params.get("gemm"):
         gated = bool(variant.params.get("shared_gate"))
@@ -340,22 +417,90 @@ def _scores_source(node) -> bool:
     return False
 
 
-def is_site(node: torch.fx.Node) -> bool:
-    """The expert top-k of a router: top-k over scores, scores + bias, or scores masked to -inf
-    by group selection (DeepSeek). A group's own top-k (over a reshaped view or group sums) is
-    not a site."""
-    if node.op != "call_function" or node.target is not aten.topk.default:
-        return False
-    source = node.args[0]
+def _logits_of(scores) -> torch.fx.Node | None:
+    """The one [tokens, experts] tensor ``scores`` is an elementwise function of (pointwise ops
+    only, a few of them), or None: the logits of a router that scores them some other way."""
+    if not isinstance(scores, torch.fx.Node) or not _pointwise(scores):
+        return None
+    leaves, seen, todo = set(), set(), [scores]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > 8:
+            return None
+        if _pointwise(node):
+            todo.extend(node.all_input_nodes)
+        elif len(val_shape(node) or ()) > 0:  # a 0-d constant is no input
+            leaves.add(node)
+    if len(leaves) != 1:
+        return None
+    (leaf,) = leaves
+    return leaf if val_shape(leaf) == val_shape(scores) and len(val_shape(leaf)) == 2 else None
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _function_name(node: torch.fx.Node, logits: torch.fx.Node) -> str:
+    """``node`` as a function of ``logits``, for a reason: ``sqrt(softplus(logits))``."""
+    if node is logits:
+        return "logits"
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return _function_name(node.args[0], logits)
+    softplus_tail = node.args[2] if node.target is aten.where.self else None
+    if isinstance(softplus_tail, torch.fx.Node) and upstream(softplus_tail, lambda n: n.target is aten.log1p.default, 2):
+        # F.softplus: where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)
+        return f"softplus({_function_name(node.args[1], logits)})"
+    inputs = ", ".join(_function_name(a, logits) for a in node.all_input_nodes if len(val_shape(a) or ()) > 0)
+    return f"{node.target.overloadpacket.__name__}({inputs})"
+
+
+def _ranked_scores(topk: torch.fx.Node) -> torch.fx.Node | None:
+    """What a router's expert top-k ranks: its input, less a group mask (-inf where) and a
+    correction bias. Scores other than sigmoid / softmax count only where they rank experts like
+    a router's: directly, or biased with the unbiased scores gathered at the chosen ids."""
+    source = topk.args[0]
     if getattr(source, "target", None) is aten.where.self:
         source = source.args[2]
-    if getattr(source, "target", None) is aten.add.Tensor:
-        source = next((a for a in source.args if _scores_source(a)), None)
-    return _scores_source(source)
+    if getattr(source, "target", None) is not aten.add.Tensor:
+        return source if _scores_source(source) or _logits_of(source) is not None else None
+    ids = [u for u in topk.users if u.args[1] == 1]
+    gathered = {u.args[0] for i in ids for u in i.users if u.target is aten.gather.default}
+    return next((a for a in source.args if _scores_source(a) or (a in gathered and _logits_of(a) is not None)), None)
+
+
+def is_site(node: torch.fx.Node) -> bool:
+    """The expert top-k of a router: top-k over scores, scores + bias, or scores masked to -inf
+    by group selection (DeepSeek). The scores are sigmoid or softmax of the logits, or another
+    elementwise function of them (a site the fused routing declines, naming the function). A
+    group's own top-k (over a reshaped view or group sums) is not a site."""
+    if node.op != "call_function" or node.target is not aten.topk.default:
+        return False
+    return _ranked_scores(node) is not None
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    return None  # the guard's reasons and Inductor's FailedMatch say where a router departs
+    """A router scoring its logits with neither sigmoid nor softmax, or keeping one group of
+    several; otherwise None (the guard's reasons and Inductor's FailedMatch say where a router
+    departs)."""
+    scores = _ranked_scores(anchor)
+    if scores is None:
+        return None
+    if not _scores_source(scores):
+        function = _function_name(scores, _logits_of(scores))
+        return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
+                        "over the experts")  # fmt: skip
+    masked = anchor.args[0]
+    if getattr(masked, "target", None) is aten.where.self:
+        # Inductor's compare form of a group mask keeping one group (_one_hot_group_mask).
+        iota = upstream(masked.args[0], lambda n: n.target is torch.ops.prims.iota.default, 14)
+        if iota is not None and iota.args[0] != 1:
+            return masked, (f"one of {iota.args[0]} expert groups kept (topk_group 1): Inductor turns that group mask "
+                            "into a compare, which the fused routing's patterns take only with n_group 1")  # fmt: skip
+    return None
 
 
 FAMILY = Family(
@@ -363,7 +508,7 @@ FAMILY = Family(
     variants=VARIANTS,
     dtype_combos=DTYPE_COMBOS,
     example_inputs=example_inputs,
-    scalars={"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE},
+    scalars=_SCALARS,
     guard=guard,
     replacement=replacement,
     facts_of=facts_of,

@@ -1,0 +1,176 @@
+"""MoE routing by its math on HF transformers' own MoE blocks, and the near misses of each variant.
+
+Each case is two of HF's MoE blocks (``layers.0`` and ``layers.1``) at tiny widths with one
+routing option set: strict against one site per block's router, fused by the named variant, and
+the blocks' output equal to eager's within bf16 rounding, on random router weights and biases.
+
+- ``norm_topk_prob=False`` (HF's default for Qwen3-MoE and OLMoE; an option of Qwen3-Next,
+  DeepSeek V3 and GLM-4-MoE): no renormalisation.
+- ``n_group=1`` (GLM-4.5, Kimi K2): DeepSeek's grouped code without groups, whose one-group
+  mask Inductor has rewritten into a compare.
+- ``routed_scaling_factor`` 1 and 2.5; Mixtral's weights, kept in fp32.
+- Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
+  that are neither sigmoid nor softmax; one group kept of several.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fusion_compiler as fc
+from fusion_compiler.verify import relative_error
+
+FAMILY = "moe_routing"
+_TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=64)  # fmt: skip
+_GROUPED = dict(_TINY, n_routed_experts=16, num_local_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+_SOFTMAX = dict(_TINY, num_experts=8, num_local_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=32)
+
+# (HF model, its MoE block class, config, the variant that must fuse every block's router)
+CASES = {
+    "qwen3_moe-no-renorm": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", dict(_SOFTMAX, norm_topk_prob=False),
+                            "softmax_unnormalised+gemm"),
+    "qwen3_next-no-renorm": ("qwen3_next", "Qwen3NextSparseMoeBlock", dict(_SOFTMAX, norm_topk_prob=False),
+                             "softmax_unnormalised+gemm+shared_gate"),
+    "mixtral": ("mixtral", "MixtralSparseMoeBlock", _SOFTMAX, "softmax_fp32_weights+gemm"),
+    "deepseek_v3-no-renorm": ("deepseek_v3", "DeepseekV3MoE", dict(_GROUPED, norm_topk_prob=False),
+                              "sigmoid_bias_grouped_unnormalised+fp32_gemm"),
+    "glm4_moe-n_group-1": ("glm4_moe", "Glm4MoeMoE", dict(_GROUPED, n_group=1, topk_group=1),
+                           "sigmoid_bias_n_group_1+fp32_gemm"),
+    "deepseek_v3-n_group-1-no-renorm-scale-1": (
+        "deepseek_v3", "DeepseekV3MoE",
+        dict(_GROUPED, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+        "sigmoid_bias_n_group_1_unnormalised+fp32_gemm"),
+}  # fmt: skip
+
+
+def _config_only(**changes) -> fc.FusionConfig:
+    """Routing alone: no other family or graph pass, so each compile traces only its patterns."""
+    return fc.FusionConfig(default_lowering="off", families={FAMILY: "triton"}, horizontal_merge=False,
+                           merge_projections=False, skinny_gemm=False, decode_attention=False,
+                           dsa_topk_mask=False, **changes)  # fmt: skip
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = x + block(x)
+        return x
+
+
+def _hf_blocks(model_type: str, block_class: str, fields: dict, layers: int = 2) -> Blocks:
+    import importlib
+
+    from transformers import AutoConfig
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    config = AutoConfig.for_model(model_type, **fields)
+    config._experts_implementation = "grouped_mm"  # transformers' default in a model: no graph break
+    gen = torch.Generator().manual_seed(0)
+    blocks = Blocks([getattr(module, block_class)(config) for _ in range(layers)])
+    with torch.no_grad():
+        for name, p in blocks.named_parameters():
+            # Router logits spread over a few units, so no two experts' scores are near a tie.
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if name.endswith("gate.weight") else 0.05))
+        for name, b in blocks.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return blocks.to(torch.bfloat16)
+
+
+@functools.cache
+def _compiled(case: str):
+    """(report, eager output, fused output) of a case, compiled once per module."""
+    model_type, block_class, fields, _ = CASES[case]
+    blocks = _hf_blocks(model_type, block_class, fields)
+    expected = {FAMILY: {f"layers.{i}.gate": 1 for i in range(len(blocks.layers))}}
+    backend = fc.FusionBackend(_config_only(strict=True, expected=expected))
+    x = torch.randn(1, 3, fields["hidden_size"], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = blocks(x)
+        fused = torch.compile(blocks, backend=backend)(x)
+    return backend.report, eager, fused
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_hf_router_of_the_variant_fuses_and_routes_like_eager(case):
+    report, eager, fused = _compiled(case)
+    variant = CASES[case][3]
+    assert report.missing_expected() == []
+    assert report.per_module(FAMILY) == {"layers.0.gate": 1, "layers.1.gate": 1}
+    assert {v: n for v, n in report.per_variant().items() if v.startswith(("softmax", "sigmoid"))} == {variant: 2}
+    assert relative_error(fused, eager) < 1e-2
+
+
+def _compile_router(router, tokens=5, hidden=32):
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    backend = fc.FusionBackend(_config_only())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = router(x)
+        fused = torch.compile(router, backend=backend)(x)
+    return backend.report, eager, fused
+
+
+class NearMiss(torch.nn.Module):
+    """A router one step off a variant's math (the logits are returned, so it routes from them)."""
+
+    def __init__(self, spelling, experts=16, hidden=32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen))
+        self.register_buffer("bias", 0.1 * torch.randn(experts, generator=gen))
+        self.spelling = spelling
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        if self.spelling == "softmax_over_tokens":  # Qwen3-MoE's unnormalised routing, softmax on dim 0
+            probs = torch.softmax(logits, dtype=torch.float, dim=0)
+            values, ids = torch.topk(probs, 4, dim=-1)
+            return logits, values.to(logits.dtype), ids
+        if self.spelling == "softplus_scores":  # MiniMax's routing math on softplus scores
+            scores = torch.nn.functional.softplus(logits)
+            _, ids = torch.topk(scores + self.bias, 4, dim=-1, sorted=False)
+            weights = scores.gather(1, ids)
+            return logits, weights / weights.sum(dim=-1, keepdim=True), ids
+        scores = logits.sigmoid()
+        choice = scores + self.bias
+        groups = 1 if self.spelling == "biased_weights" else 4
+        group_scores = choice.view(-1, groups, 16 // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=1, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, 16 // groups).reshape(-1, 16)
+        ids = torch.topk(choice.masked_fill(~score_mask.bool(), float("-inf")), k=4, dim=-1, sorted=False)[1]
+        # "biased_weights": DeepSeek's n_group 1 routing, its weights gathered from the biased choice.
+        weights = (choice if self.spelling == "biased_weights" else scores).gather(1, ids)
+        return logits, weights * 2.5, ids
+
+
+@pytest.mark.parametrize("spelling, reason", [
+    # Softmax's reductions are wildcards in the pattern; the re-trace at the site's dims is not.
+    ("softmax_over_tokens", "softmax_unnormalised matches at getitem in structure, but Inductor did not take it"),
+    # The ids feed a gather of the biased choice, outside every pattern.
+    ("biased_weights", "is read by gather, output: outside the pattern"),
+    ("softplus_scores", "the router scores its logits as softplus(logits); the fused routing takes sigmoid or softmax"),
+    ("one_of_four_groups", "one of 4 expert groups kept"),
+])  # fmt: skip
+def test_near_misses_do_not_match_and_say_why(spelling, reason):
+    report, eager, fused = _compile_router(NearMiss(spelling))
+    assert report.per_variant() == {}
+    [miss] = report.misses(FAMILY)
+    assert reason in miss.reason, miss.reason
+    (logits_f, w_f, ids_f), (logits_e, w_e, ids_e) = fused, eager
+    torch.testing.assert_close(logits_f, logits_e)
+    # Unsorted top-k: the same experts with the same weights, in any order.
+    order_f, order_e = ids_f.sort(-1), ids_e.sort(-1)
+    assert torch.equal(order_f.values, order_e.values)
+    torch.testing.assert_close(w_f.gather(1, order_f.indices), w_e.gather(1, order_e.indices))
