@@ -1,12 +1,14 @@
-"""GQA attention prologue (q/k RMSNorm + partial NeoX RoPE + K/V cache write): one Triton kernel
-and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference must match).
+"""GQA attention prologue (q/k RMSNorm, or none, + partial NeoX RoPE + K/V cache write): one
+Triton kernel and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference
+must match).
 
-Design: three programs per token (q; k and its cache write; v's cache write) hold the token's
-rows as [heads, lanes] tiles (rows addressed by token and head strides, so Qwen3.5's q inside its
-[q | gate] head rows is read in place). A head row is three pieces (``_pieces``): the two rotary
-halves side by side, so lane i of one is the NeoX partner of lane i of the other and a pair
-rotates in place, and the pass-through lanes. A full-width norm's rstd is one reduction over the
-token's rows first; a per-head norm's one reduction over a whole-row tile. q goes to ``q_out``; k
+Design: three programs per token (q; k and its cache write; v's cache write) hold the token's rows
+as [heads, lanes] tiles (rows addressed by token and head strides, so Qwen3.5's q inside its [q |
+gate] head rows is read in place). A head row is three pieces (``_pieces``): the two rotary halves
+side by side, so lane i of one is the NeoX partner of lane i of the other and a pair rotates in
+place, and the pass-through lanes. A full-width norm's rstd is one reduction over the token's rows
+first; a per-head norm's one reduction over a whole-row tile; without norm weights (an attention
+with no q/k norms) the ``NORM`` constexpr drops both and the weight reads. q goes to ``q_out``; k
 and v go to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``value /
 scale`` (correctly rounded: ``_device.div_rn_by``) clamped to +-448 and rounded to e4m3. Both
 cache layouts (paged [blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one
@@ -43,7 +45,7 @@ import triton.language as tl
 from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-14"
+KERNEL_VERSION = "gqa_prologue-15"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~BLOCK_LANES_* lanes a block (many programs: registers per program
 # decide how many are in flight). H200 (bench/NOTES.md, gqa_prologue), MiniMax bf16 / Qwen3.5 /
@@ -186,10 +188,11 @@ def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD
 @triton.jit
 def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
                D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
-               FULL_WIDTH: tl.constexpr, OUT_DTYPE: tl.constexpr, ROUND_NORMALIZED: tl.constexpr,
-               ROUND_ROPE: tl.constexpr):
+               FULL_WIDTH: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+               ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr):
     """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h), as
     the three ``_pieces`` in fp32 (rounded values). Full width: the token's rstd is given.
+    Without NORM (an attention with no q/k norms) rope(x): no reduction, no weight read.
     Holding the rotary halves side by side, every lane is loaded and normed once and a NeoX pair
     rotates in place. A second full-width tile of each lane's partner would double the norm work
     on the rotary lanes and carry a dead tile over the rest, and at 4096 tokens the kernel is
@@ -200,20 +203,22 @@ def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, 
     x1 = upcast(tl.load(rows + first, mask=half_mask, other=0.0))
     x2 = upcast(tl.load(rows + second, mask=half_mask, other=0.0))
     x3 = upcast(tl.load(rows + rest, mask=rest_mask, other=0.0))
-    if FULL_WIDTH:
-        rstd = full_rstd
-        w_row = h * D
-    else:  # per head: summed over the whole row as one tile (one reduction, not one a piece)
-        d = tl.arange(0, D_PAD)[None, :]
-        x = upcast(tl.load(rows + d, mask=(h < heads) & (d < D), other=0.0))
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        w_row = 0 * h
-    n1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
-    n2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
     c = upcast(tl.load(COS + cos_row + first, mask=half_ok, other=1.0))
     s = upcast(tl.load(SIN + sin_row + first, mask=half_ok, other=0.0))
-    out1, out2 = _rotated(n1, n2, c, s, OUT_DTYPE, ROUND_ROPE)
-    return out1, out2, _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
+    if NORM:
+        if FULL_WIDTH:
+            rstd = full_rstd
+            w_row = h * D
+        else:  # per head: summed over the whole row as one tile (one reduction, not one a piece)
+            d = tl.arange(0, D_PAD)[None, :]
+            x = upcast(tl.load(rows + d, mask=(h < heads) & (d < D), other=0.0))
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            w_row = 0 * h
+        x1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
+        x2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
+        x3 = _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
+    out1, out2 = _rotated(x1, x2, c, s, OUT_DTYPE, ROUND_ROPE)
+    return out1, out2, x3
 
 
 @triton.jit
@@ -252,7 +257,7 @@ def _gqa_prologue_kernel(
     heads, kv_heads, cos_rows, eps, weight_offset, k_scale, v_scale, variance_divisor,
     HB_Q: tl.constexpr, HB_KV: tl.constexpr, Q_BLOCKS: tl.constexpr, KV_BLOCKS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FULL_WIDTH: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
+    FULL_WIDTH: tl.constexpr, NORM: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr,
     ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr,
 ):
@@ -284,7 +289,7 @@ def _gqa_prologue_kernel(
             for block in range(Q_BLOCKS):
                 h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
                 q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
-                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
+                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH, NORM,
                                         Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
                 out = Q_OUT + t * stride_qo + h * D
                 out_dtype = Q_OUT.dtype.element_ty
@@ -299,7 +304,7 @@ def _gqa_prologue_kernel(
             for block in range(KV_BLOCKS):
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
                 k1, k2, k3 = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
-                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH,
+                                        weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH, NORM,
                                         K.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
                 _write_cache(K_CACHE, K_CACHE_U8, k1, h, first, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
                              stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
@@ -335,8 +340,11 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride on its last dim, got {t.stride()}")
-    if not (q_out.is_contiguous() and q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()):
+    norm = q_norm_weight is not None
+    if not (q_out.is_contiguous() and (not norm or (q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()))):
         raise ValueError("q_out and the norm weights must be contiguous")
+    # Without a norm the kernel never reads the weights: q stands in for both pointers.
+    q_w, k_w = (q_norm_weight, k_norm_weight) if norm else (q, q)
     fp8 = torch.float8_e4m3fn
     d_pad = triton.next_power_of_2(head_dim)
     rot = 2 * cos.shape[-1]
@@ -359,7 +367,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
 
     def _launch():
         _gqa_prologue_kernel[grid](
-            q, k, v, q_norm_weight, k_norm_weight, cos, sin, slots if positions is None else positions, slots,
+            q, k, v, q_w, k_w, cos, sin, slots if positions is None else positions, slots,
             k_cache, v_cache, _u8(k_cache), _u8(v_cache), q_out, q_var, k_var,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
             cos.stride(0), sin.stride(0), kc_blk, kc_off, kc_h, vc_blk, vc_off, vc_h, q_var.stride(0), k_var.stride(0),
@@ -368,7 +376,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             HB_Q=hb_q, HB_KV=hb_kv, Q_BLOCKS=triton.cdiv(heads, hb_q), KV_BLOCKS=triton.cdiv(kv_heads, hb_kv), D=head_dim,
             D_PAD=d_pad, ROT=rot, HALF_PAD=triton.next_power_of_2(rot // 2),
             PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot)), BLOCK_SIZE=block_size,
-            FULL_WIDTH=bool(full_width_norm), HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
+            FULL_WIDTH=bool(full_width_norm), NORM=norm, HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
             KV_ONE_PROGRAM=config.kv_one_program, ROUND_NORMALIZED=bool(round_normalized),
             ROUND_ROPE=bool(round_rope_products), num_warps=warps,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -581,12 +582,13 @@ def dsa_mask_sites(model: torch.nn.Module) -> dict[str, int]:
 
 def structural_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
     """Expected sites of a model we have no adapter for, from what its modules compute (the
-    module tree and config, never the model's name): a GQA attention with q/k norms is a
-    gqa_prologue site (the math gqa_prologue fuses, whatever its rotary dim), an MLA attention
-    with RoPE mla_prologue sites (which take its kv_a_layernorm), a Gated DeltaNet layer a gdn
-    site, a top-k router a moe_routing site, HF's routed experts a moe_experts site, every other
-    RMSNorm that runs an add_rms_norm site. Attentions no prologue family applies to are
-    ``attention_families``' declined ones, with the reason."""
+    module tree and config, never the model's name): a GQA attention with q/k norms, or without
+    them and HF's rotate_half RoPE, is a gqa_prologue site (the math gqa_prologue fuses, whatever
+    its rotary dim), an MLA attention with RoPE mla_prologue sites (which take its
+    kv_a_layernorm), a Gated DeltaNet layer a gdn site, a top-k router a moe_routing site, HF's
+    routed experts a moe_experts site, every other RMSNorm that runs an add_rms_norm site.
+    Attentions no prologue family applies to are ``attention_families``' declined ones, with the
+    reason."""
     sites = qk_norm_attention_sites(model, norms)
     # Each bigger site takes a norm of its module: kv_a_layernorm into the kv site, the gated
     # norm into the GDN site.
@@ -606,8 +608,10 @@ PROLOGUE_FAMILIES = ("gqa_prologue", "mla_prologue")
 def attention_families(model: torch.nn.Module) -> dict[str, tuple[str | None, str]]:
     """Every softmax attention of the tree -> (its prologue family, or None; why), from what the
     module computes: a latent K/V (``kv_a_proj_with_mqa``: MLA) with RoPE is mla_prologue's, per-head
-    K/V projections (``k_proj`` / ``v_proj``) with q/k norms gqa_prologue's. Anything else gets no
-    family and the reason (an MLA without RoPE, an attention without q/k norms)."""
+    K/V projections (``k_proj`` / ``v_proj``) with q/k norms gqa_prologue's, and without them too
+    where the module's code ropes with HF's ``rotate_half`` (NeoX halves: Mixtral, Qwen2-MoE,
+    GLM-4-MoE without use_qk_norm). Anything else gets no family and the reason (an MLA without
+    RoPE; no q/k norms and another RoPE, as gpt-oss's ``_apply_rotary_emb``)."""
     out: dict[str, tuple[str | None, str]] = {}
     config = getattr(model, "config", None)
     for name, m in model.named_modules():
@@ -618,10 +622,19 @@ def attention_families(model: torch.nn.Module) -> dict[str, tuple[str | None, st
         elif all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")):
             if hasattr(m, "q_norm") and hasattr(m, "k_norm"):
                 out[name] = ("gqa_prologue", "per-head K/V with q/k norms")
+            elif _ropes_with_rotate_half(m):
+                out[name] = ("gqa_prologue", "per-head K/V without q/k norms, NeoX RoPE (rotate_half)")
             else:
-                out[name] = (None, "no family applies: the attention has no q/k norms, and the fused prologues "
-                                   "begin at them (RoPE and the cache write stay with Inductor)")  # fmt: skip
+                out[name] = (None, "no family applies: the attention has no q/k norms and its code has no "
+                                   "rotate_half (NeoX) RoPE, the no-norm gqa_prologue's")  # fmt: skip
     return out
+
+
+def _ropes_with_rotate_half(module: torch.nn.Module) -> bool:
+    """The module's code (its class's module) defines HF's ``rotate_half`` and
+    ``apply_rotary_pos_emb``: the NeoX RoPE that gqa_prologue's no-norm variants are written as."""
+    code = sys.modules.get(type(module).__module__)
+    return all(callable(getattr(code, f, None)) for f in ("rotate_half", "apply_rotary_pos_emb"))
 
 
 def _without(norms: dict[str, int], taken: set[str]) -> dict[str, int]:
@@ -629,9 +642,10 @@ def _without(norms: dict[str, int], taken: set[str]) -> dict[str, int]:
 
 
 def qk_norm_attention_sites(model: torch.nn.Module, norms: dict[str, int]) -> dict[str, dict[str, int]]:
-    """GQA attention with q/k norms (HF's ``q_norm`` / ``k_norm`` beside ``q_proj``; MiniMax-M2,
-    Qwen3.5's full-attention layers): one gqa_prologue site each, which takes its q/k norms, so
-    they are not add_rms_norm sites; every other RMSNorm that runs is."""
+    """GQA attention (``attention_families``: with HF's ``q_norm`` / ``k_norm`` beside ``q_proj``,
+    MiniMax-M2, Qwen3.5's full-attention layers; or without them, Mixtral): one gqa_prologue site
+    each, which takes its q/k norms, so they are not add_rms_norm sites; every other RMSNorm that
+    runs is."""
     attention = {name: 1 for name, (family, _) in attention_families(model).items() if family == "gqa_prologue"}
     taken = {f"{name}.{norm}" for name in attention for norm in ("q_norm", "k_norm")}
     return {

@@ -1,8 +1,9 @@
 """GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + K/V cache write, one op
-(issue 5: MiniMax-M2.5's full-width QK-norm; Qwen3.5's per-head Gemma QK-norm).
+(issue 5: MiniMax-M2.5's full-width QK-norm; Qwen3.5's per-head Gemma QK-norm; issue 29: HF's
+plain per-head QK-norm, and no QK-norm at all: Mixtral, Qwen2-MoE, GLM-4-MoE by default).
 
-    fusion_compiler::gqa_prologue(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight,
-        Tensor k_norm_weight, float eps, float weight_offset, bool full_width_norm,
+    fusion_compiler::gqa_prologue(Tensor q, Tensor k, Tensor v, Tensor? q_norm_weight,
+        Tensor? k_norm_weight, float eps, float weight_offset, bool full_width_norm,
         Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache,
         Tensor slots, float k_scale, float v_scale, bool cache_heads_first,
         Tensor? q_variance=None, Tensor? k_variance=None, float variance_divisor=1.0,
@@ -22,7 +23,9 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  ``MiniMaxM2RMSNorm``, vLLM's ``MiniMaxText01RMSNormTP``; Qwen3.5's Gemma norm
                  rounds once). Over all of a token's heads when ``full_width_norm`` (MiniMax: q
                  over 6144, k over 1024, weights [heads * D] and [kv_heads * D]), else per head
-                 (Qwen3.5: weights [D], Gemma ``weight_offset`` 1.0)
+                 (Qwen3.5: weights [D], Gemma ``weight_offset`` 1.0). Both weights None: no
+                 norm, norm(x) = x (the attention has no q/k norms; eps and weight_offset are
+                 unused, full_width_norm must be False and no variances given)
     variances    tensor parallelism (full width only): the mean of squares is given, not
                  computed: q's is ``q_variance[t] / variance_divisor`` (fp32, correctly rounded
                  division), k's likewise; q_variance, k_variance [T, 1] fp32, any token stride.
@@ -54,7 +57,8 @@ squares, ``[mean(q[t].float()**2), mean(k[t].float()**2)]`` over all of q's and 
 
 The rounding flags make the op round where the matched code rounds, so a fused model keeps
 eager's bits (a greedy decode that rounds elsewhere can take another token at a near tie): HF's
-MiniMax code sets both, HF's Qwen3.5 code the RoPE one (its Gemma norm rounds once), serving
+MiniMax code sets both, HF's Qwen3.5 code the RoPE one (its Gemma norm rounds once), HF's code
+without q/k norms the RoPE one (on the projections' own rows), serving
 code (fp32 RoPE) the norm one for MiniMax. In fp32 the roundings are exact.
 
 On CUDA the op runs ``kernels/gqa_prologue.py``. The pattern family
@@ -74,7 +78,7 @@ FP8_MAX = 448.0
 _CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)
 
 _SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor q_norm_weight, Tensor k_norm_weight, float eps, float weight_offset, "
+    "(Tensor q, Tensor k, Tensor v, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, float weight_offset, "
     "bool full_width_norm, Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slots, float k_scale, float v_scale, bool cache_heads_first, Tensor? q_variance=None, "
     "Tensor? k_variance=None, float variance_divisor=1.0, bool round_normalized=False, "
@@ -111,7 +115,8 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
     """(heads, kv_heads, head_dim, rotary_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
                     ("cos", cos), ("sin", sin)):  # fmt: skip
-        _require_float(t, name)
+        if t is not None:
+            _require_float(t, name)
     _require_float(k_cache, "k_cache", _CACHE_DTYPES)
     _require_float(v_cache, "v_cache", _CACHE_DTYPES)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -125,9 +130,15 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
     require_shape(v, (tokens, kv_heads, head_dim), "v")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
-    norm_widths = (heads * head_dim, kv_heads * head_dim) if full_width_norm else (head_dim, head_dim)
-    require_shape(q_norm_weight, (norm_widths[0],), "q_norm_weight")
-    require_shape(k_norm_weight, (norm_widths[1],), "k_norm_weight")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight come together: both tensors (q/k norms) or both None (none)")
+    if q_norm_weight is None:
+        if full_width_norm or q_variance is not None or k_variance is not None:
+            raise ValueError("without norm weights there is no norm: full_width_norm must be False, no variances")
+    else:
+        norm_widths = (heads * head_dim, kv_heads * head_dim) if full_width_norm else (head_dim, head_dim)
+        require_shape(q_norm_weight, (norm_widths[0],), "q_norm_weight")
+        require_shape(k_norm_weight, (norm_widths[1],), "k_norm_weight")
     rotary_dim = 2 * cos.shape[-1]
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(f"cos and sin must be [rows, rotary_dim / 2] alike, got {tuple(cos.shape)}, {tuple(sin.shape)}")
@@ -170,6 +181,8 @@ def _validate_variances(q_variance, k_variance, divisor, full_width_norm, tokens
 
 
 def _norm(x, weight, eps, weight_offset, full_width, round_normalized, variance=None, divisor=1.0):
+    if weight is None:  # no q/k norm: x enters RoPE as it is
+        return x
     h = (x.reshape(x.shape[0], -1) if full_width else x).float()
     if variance is None:
         variance = (h * h).mean(dim=-1, keepdim=True)

@@ -1,8 +1,8 @@
-"""GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + the K/V cache write, one site per
-attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE, GLM-4-MoE) ->
-``gqa_prologue``.
+"""GQA attention prologue: q/k RMSNorm (or none) + partial NeoX RoPE + the K/V cache write, one
+site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE, GLM-4-MoE,
+Mixtral, Qwen2-MoE) -> ``gqa_prologue``.
 
-Three norms, each as its model writes it:
+Three norms, each as its model writes it, and none:
 
 * ``minimax``: HF's ``MiniMaxM2RMSNorm`` over the **whole** q and k projections (6144 and 1024
   wide), then the head split;
@@ -10,7 +10,12 @@ Three norms, each as its model writes it:
   [q | gate] row (the gate stays outside: ``* sigmoid(gate)`` after attention);
 * ``per_head``: HF's plain ``weight * (x * rstd).to(dtype)`` per head, weight [D]
   (``Qwen3MoeRMSNorm``, ``Glm4MoeRMSNorm`` with ``use_qk_norm``), in HF's layout only: full
-  RoPE (Qwen3-MoE) or partial (GLM-4-MoE, half the head).
+  RoPE (Qwen3-MoE) or partial (GLM-4-MoE, half the head);
+* ``none``: no q/k norm, the projections' head views RoPE'd as they are (HF's Mixtral,
+  Qwen2-MoE, Llama: full RoPE; GLM-4-MoE with its default ``use_qk_norm=False``: half the head),
+  in HF's layout only. Its pattern begins at RoPE, so it would also fit a normed attention with
+  the norm left outside: these variants come after every normed one, and the guard declines a q
+  or k with an RMS norm in front (the normed variants' reasons stand).
 
 Two layouts, each as its code writes it:
 
@@ -36,16 +41,20 @@ part being the mean of squares of the same q (or k). patterns/gqa_prologue_tp_va
 division into the op and fuses the two local means before the all-reduce into one op.
 
 The op rounds where each spelling rounds (its ``round_normalized`` / ``round_rope_products``):
-MiniMax's norm rounds ``x * rstd`` before the weight multiply, HF's RoPE every bf16 product, so
+MiniMax's norm rounds ``x * rstd`` before the weight multiply, HF's RoPE every bf16 product (with
+no norm, of the projection's bf16 rows), so
 a fused model keeps eager's bits and its greedy tokens. Patterns are traced in bf16 and fp32 (an
 fp32 graph has no casts, so the bf16 trace does not fit it); other float widths meet the bf16
 trace, and the op's dtypes decide (float64: a reported miss).
 
 The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``, or
-HF's rotation itself (full RoPE) after a q/k norm.
+HF's rotation itself (full RoPE) written to HF's static cache or after a q/k norm. A plain
+attention with no RoPE, or no cache write, has no site.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
 the matched nodes: the RoPE's slice points (partial, NeoX halves, not GPT-J pairs), the norm's
-width and Gemma's offset, the cast an FP8 write rounds to.
+width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a norm in
+front. Not fused, said in words: GPT-J's interleaved RoPE (any norm), and no norm written to a
+paged cache (serving code).
 """
 
 from __future__ import annotations
@@ -140,20 +149,25 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
     return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
 
-def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
+def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, positions, rotary: str):
+    """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype,
+    the static cache written at the positions (``index_copy_`` along the sequence dim)."""
     rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
+    k_cache = aten.index_put.default(k_cache, [None, None, positions], k)
+    v_cache = aten.index_put.default(v_cache, [None, None, positions], v)
+    return q, k_cache, v_cache
 
+
+def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
     def prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
         head_dim = k_cache.shape[-1]
         q = normed_heads(q, q_weight, eps, norm, layout, head_dim)
         k = normed_heads(k, k_weight, eps, norm, layout, head_dim)
         if layout == "hf":  # where: the cache positions
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
-            k_cache = aten.index_put.default(k_cache, [None, None, where], k)
-            v_cache = aten.index_put.default(v_cache, [None, None, where], v)
-            return q, k_cache, v_cache
+            return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary)
         return _paged_rows(q, k, v, cos, sin, k_cache, v_cache, where, cache, k_scale, v_scale)  # where: the slots
 
     if cache != "fp8":  # no scale arguments to trace
@@ -163,6 +177,16 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
 
         return prologue_bf16
     return prologue
+
+
+def _search_no_norm(rotary: str):
+    """HF's attention without q/k norms (Mixtral, Qwen2-MoE, Llama; GLM-4-MoE without
+    ``use_qk_norm``): q, k, v [B, S, heads, D] are the projections' head views, RoPE'd as they are."""
+
+    def prologue_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
+        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary)
+
+    return prologue_no_norm
 
 
 def _search_tp(cache: str):
@@ -188,15 +212,20 @@ def _search_tp(cache: str):
 def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial") -> Variant:
     name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" else "")
     name += "_full_rope" if rotary == "full" else ""
-    search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
+    if norm == "none":
+        search = _search_no_norm(rotary)
+    else:
+        search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
     return Variant(name, search, {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary})
 
 
-# The tensor-parallel variants come last: a single-rank graph never reaches them (its upcast
-# also feeds the local mean, a user outside their pattern), and a TP graph never fits the others.
-# Full RoPE: HF's spelling only (serving code ropes part of each head for both models). The
-# per-head plain norm: HF's code only (Qwen3-MoE full, GLM-4-MoE partial RoPE); no serving
-# reference of ours writes it.
+# The tensor-parallel variants come after the single-rank ones: a single-rank graph never reaches
+# them (its upcast also feeds the local mean, a user outside their pattern), and a TP graph never
+# fits the others. Full RoPE: HF's spelling only (serving code ropes part of each head for both
+# models). The per-head plain norm: HF's code only (Qwen3-MoE full, GLM-4-MoE partial RoPE); no
+# serving reference of ours writes it. No norm comes last, HF's code only: its pattern begins at
+# RoPE, so it also fits a normed attention whose norm another variant declined; every normed
+# variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
 VARIANTS = (
     tuple(
         _variant(norm, layout, cache)
@@ -206,6 +235,7 @@ VARIANTS = (
     + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen"))
     + (_variant("per_head", "hf"), _variant("per_head", "hf", rotary="full"))
     + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
+    + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
 )
 
 # ------------------------------------------------------------------------------------------
@@ -226,6 +256,10 @@ def example_inputs(variant: Variant, combo) -> list:
 
     lead = (1, _T) if p["layout"] == "hf" else (_T,)
     rot = _D if p["rotary"] == "full" else _ROT
+    if p["norm"] == "none":  # HF's layout only
+        q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*lead, _HKV, _D)
+        k_cache, v_cache = r(1, _HKV, _BLOCKS * _BS, _D), r(1, _HKV, _BLOCKS * _BS, _D)
+        return [q, k, v, r(1, _T, rot), r(1, _T, rot), k_cache, v_cache, torch.arange(_T)]
     if p["norm"] == "minimax":
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
@@ -394,6 +428,8 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     rot = cos.shape[-1] if p["layout"] == "hf" else 2 * cos.shape[-1]
     if p["tp"]:
         reason = _tp_reason(values, heads * head_dim, kv_heads * head_dim)
+    elif p["norm"] == "none":
+        reason = _no_norm_reason(values)
     else:
         reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
     if reason:
@@ -413,6 +449,8 @@ _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _dtype_reason(values, p) -> Reason:
     for name in ("q", "k", "v", "q_weight", "k_weight"):
+        if name not in values:  # no q/k norm: no weights
+            continue
         dtype = values[name].dtype
         if dtype not in _ACTIVATION_DTYPES:
             return f"{name} is {dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32 (it computes in fp32)"
@@ -433,6 +471,16 @@ def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) ->
         return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
     if norm == "per_head" and values["weight_offsets"]:
         return f"the norm weight has offsets {sorted(values['weight_offsets'])} where a plain x * w is expected"
+    return None
+
+
+def _no_norm_reason(values) -> Reason:
+    """The no-norm variants begin at RoPE: a q or k with an RMS norm in front belongs to a normed
+    variant (one that declined it says why), not to RoPE and a cache write after a norm left out."""
+    if values["normed_inputs"]:
+        sides = " and ".join(values["normed_inputs"])
+        return (f"an RMS norm sits between the projection and RoPE of {sides}: the no-norm variants take an "
+                "attention without q/k norms; the normed variants, tried first, declined this norm")  # fmt: skip
     return None
 
 
@@ -531,8 +579,8 @@ def replacement(variant: Variant, lowering: str):
     full_width, offset = p["norm"] == "minimax", 1.0 if p["norm"] == "qwen" else 0.0
     # Round where the matched code rounds: MiniMax's norm (every spelling) and HF's plain per-head
     # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
-    # activation dtype, one rounding per op.
-    rounding = dict(round_normalized=p["norm"] != "qwen", round_rope_products=p["layout"] == "hf")
+    # activation dtype, one rounding per op (without a norm, on the projections' own rows).
+    rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf")
 
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
@@ -573,6 +621,14 @@ def replacement(variant: Variant, lowering: str):
 
         return replace_tp if p["cache"] == "fp8" else replace_tp_bf16
 
+    if p["norm"] == "none":
+
+        def replace_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
+            # No weights: the op skips the norm (its eps, any positive number, is unused).
+            return fused(q, k, v, None, None, cos, sin, k_cache, v_cache, where, 1e-6, 1.0, 1.0, None, None)
+
+        return replace_no_norm
+
     def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
         return fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, None, None)
 
@@ -611,9 +667,15 @@ _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 def _normed(node) -> bool:
     """An RMSNorm's rsqrt upstream of ``node`` with no GEMM between (a q/k norm, not the
-    decoder norm before a projection)."""
-    return walk(node, lambda n: n.target is aten.rsqrt.default, 14,
-                lambda n: [] if n.target in _GEMMS else n.all_input_nodes) is not None  # fmt: skip
+    decoder norm before a projection), along tensors only: a view's symbolic sizes can be read off
+    the normed hidden states the projection takes."""
+
+    def inputs(n):
+        if n.target in _GEMMS:
+            return []
+        return [m for m in n.all_input_nodes if not isinstance(m.meta.get("val"), (torch.SymInt, int))]
+
+    return walk(node, lambda n: n.target is aten.rsqrt.default, 14, inputs) is not None
 
 
 def _halves_of_one_rotation(first, second) -> bool:
@@ -630,14 +692,14 @@ def _halves_of_one_rotation(first, second) -> bool:
     return a is not None and a == b
 
 
-def _roped_rows(node) -> bool:
+def _roped_rows(node, static_cache: bool) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
         if mla_prologue.is_site(node):
             # HF's rotation written as it is (full RoPE: no pass-through to cat back): a site
-            # after a q/k norm, as below.
-            return _normed(node)
+            # written to HF's static cache (the no-norm variants' layout), or after a q/k norm.
+            return static_cache or _normed(node)
         if node.target is aten.cat.default:
             # [rotated | passed through], or a rotation's own two halves (full rotary). The
             # latter is a candidate (a near miss: RoPE on all dims) only after a q/k norm:
@@ -652,12 +714,19 @@ def _roped_rows(node) -> bool:
     return False
 
 
+def _static_cache_write(node: torch.fx.Node) -> bool:
+    """HF's static-cache write: ``index_copy_`` along the sequence dim of [B, kv_heads, len, D],
+    an ``index_put`` at ``[None, None, positions]``."""
+    indices = node.args[1]
+    return len(indices) == 3 and indices[0] is None and indices[1] is None
+
+
 def is_site(node: torch.fx.Node) -> bool:
     return (
         node.op == "call_function"
         and node.target is aten.index_put.default
         and len(node.args) >= 3
-        and _roped_rows(node.args[2])
+        and _roped_rows(node.args[2], _static_cache_write(node))
     )
 
 
@@ -694,17 +763,28 @@ def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
     return head_dim
 
 
+def _interleaved_pairs(rows: torch.fx.Node) -> torch.fx.Node | None:
+    """A slice with step 2 above the K rows (``x[..., ::2]``, ``x[..., 1::2]``): GPT-J's pairs."""
+    return upstream(rows, lambda n: getattr(n, "target", None) is aten.slice.Tensor and len(n.args) > 4
+                    and n.args[4] == 2, 16)  # fmt: skip
+
+
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """The site in the model's terms where its math departs from every variant: the K rows'
-    dtype, k without a norm, or k's norm (per head with a plain weight into a paged cache, or
-    over the whole projection with Gemma's); else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
+    dtype, GPT-J's interleaved RoPE, k without a norm outside HF's static cache, or k's norm (per
+    head with a plain weight into a paged cache, or over the whole projection with Gemma's);
+    else None, for Inductor's FailedMatch text (registry.failed_match_reason)."""
     rows = anchor.args[2]
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
-    if isinstance(rows, torch.fx.Node) and not _normed(rows):  # GLM-4-MoE without use_qk_norm
-        return rows, ("k has no RMS norm between its projection and its RoPE: the fused GQA prologue begins at the "
-                      "q/k norms (RoPE and the cache write stay with Inductor)")  # fmt: skip
+    pairs = _interleaved_pairs(rows) if isinstance(rows, torch.fx.Node) else None
+    if pairs is not None:
+        return pairs, ("k is rotated by interleaved (GPT-J) RoPE, pairs (2i, 2i + 1) taken by step-2 slices: the "
+                       "fused GQA prologue rotates NeoX halves (rotate_half)")  # fmt: skip
+    if isinstance(rows, torch.fx.Node) and not _normed(rows) and not _static_cache_write(anchor):
+        return rows, ("k has no RMS norm between its projection and its RoPE, and is written to a paged cache: the "
+                      "fused GQA prologue takes an attention without q/k norms in HF's code (static cache) only")  # fmt: skip
     head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
     norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
     if norm is None or head_dim is None or norm["width"] is None:
@@ -730,6 +810,8 @@ def _facts_with_angles(nodes, inputs):
     facts["angles_duplicated"] = all(mla_prologue._duplicated_halves(inputs.get(n)) for n in ("cos", "sin"))
     if "q_var" in inputs:
         facts["variances"] = _variance_facts(inputs)
+    if "q_weight" not in inputs:  # the no-norm variants: q and k must come with no norm in front
+        facts["normed_inputs"] = [side for side in ("q", "k") if _normed(inputs.get(side))]
     return facts
 
 

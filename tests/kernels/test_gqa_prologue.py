@@ -63,6 +63,8 @@ def _run(c, config=None):
     width_q, width_k = (hq * d, hkv * d) if c["full_width"] else (d, d)
     qw = (torch.randn(width_q, generator=gen) * 0.3 + (0 if c["offset"] else 1)).to(act).to(DEVICE)
     kw = (torch.randn(width_k, generator=gen) * 0.3 + (0 if c["offset"] else 1)).to(act).to(DEVICE)
+    if c.get("no_norm"):  # an attention without q/k norms: q/k enter RoPE as they are
+        qw = kw = None
     blocks, block_size = 3 + t, 4
     heads_first = c.get("heads_first", False)
     cache_dtype = FP8 if c["fp8"] else act
@@ -104,7 +106,8 @@ def _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail):
     outside the written slots equal to its poison."""
     q, k, v, qw, kw, eps, offset, full_width, cos, sin, positions = args
     slots, k_scale, v_scale, heads_first, q_var, k_var, divisor, round_normalized, round_rope = tail
-    q64, k64, v64, qw64, kw64, cos64, sin64 = (x.cpu().double() for x in (q, k, v, qw, kw, cos, sin))
+    q64, k64, v64, cos64, sin64 = (x.cpu().double() for x in (q, k, v, cos, sin))
+    qw64, kw64 = (None if w is None else w.cpu().double() for w in (qw, kw))
     variances = [None if x is None else x.cpu().double() for x in (q_var, k_var)]
     cos64, sin64 = ops._cos_sin(cos64, sin64, None if positions is None else positions.cpu(), q.shape[0])
     rot = 2 * cos.shape[-1]
@@ -229,8 +232,29 @@ def test_variance_kernel_matches_reference(tokens, q_width, k_width, dtype, seed
     torch.testing.assert_close(out.cpu(), gqa_prologue_variance_reference(q, k).cpu(), rtol=2e-6, atol=0)
 
 
+@settings(max_examples=examples(12), deadline=None)
+@given(c=configs())
+def test_kernel_without_qk_norms_matches_reference(c):
+    """No q/k norms (Mixtral, Qwen2-MoE, GLM-4-MoE without use_qk_norm): RoPE and the cache write
+    alone, every layout, rotary width, cache dtype and rounding flag drawn (the norm's are moot)."""
+    _run({**c, "no_norm": True, "full_width": False, "offset": False})
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16], ids=["mixtral-full-rope", "glm4-moe-half-rope"])
+def test_hf_without_qk_norms(rotary_dim):
+    """HF's prologue with no q/k norms: the projections' bf16 rows straight into HF's RoPE
+    (every product rounded), HF's static cache; full RoPE (Mixtral, Qwen2-MoE, Llama) or half the
+    head (GLM-4-MoE's default). bf16 and fp32, against float64 too; one head a block (the launch
+    above WHOLE_TILES_UP_TO tokens) as well."""
+    c = dict(tokens=4, kv_heads=2, group=2, head_dim=32, rotary_dim=rotary_dim, seed=17, fp8=False,
+             full_width=False, offset=False, heads_first=True, hf_angles=True, round_rope=True, no_norm=True)  # fmt: skip
+    _run(c)
+    _run({**c, "cos_rows": 2, "dtype": torch.float32})
+    _run(c, _head_blocks_of(32))
+
+
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-14"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-15"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks

@@ -5,8 +5,9 @@ say why in words.
 * Transformers' own classes at tiny widths (no compile): MLA with RoPE -> mla_prologue (DeepSeek
   V3, V3.2); per-head K/V with q/k norms -> gqa_prologue whatever the rotary dim (MiniMax-M2 on
   its own config and HF's default, Qwen3-MoE, GLM-4-MoE with use_qk_norm, Qwen3-Next's and
-  Qwen3.5's full attention); no q/k norms -> no family, with the reason (Mixtral, GLM-4-MoE
-  without use_qk_norm).
+  Qwen3.5's full attention), and without q/k norms where the code ropes with HF's rotate_half
+  (Mixtral, GLM-4-MoE without use_qk_norm); no q/k norms and another RoPE -> no family, with the
+  reason (gpt-oss).
 * Qwen3-MoE compiled through the backend with those expectations: the attention's gqa_prologue
   site fuses (its per-head plain-weight q/k norms, full RoPE), and the RoPE rotations are not
   reported as mla_prologue candidates.
@@ -51,20 +52,21 @@ def _families(model) -> dict:
     (lambda: _hf(GLM4_MOE), "gqa_prologue"),
     (lambda: _hf(dict(QWEN3_NEXT, num_hidden_layers=4)), "gqa_prologue"),
     (lambda: get_adapter("qwen3.5").build_hf(size="tiny", layers=4), "gqa_prologue"),
+    (lambda: _hf(dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)), "gqa_prologue"),
+    (lambda: _hf(dict(GLM4_MOE, use_qk_norm=False)), "gqa_prologue"),
 ], ids=["deepseek-v3.2", "deepseek-v3", "minimax-m2.5", "minimax-hf-default", "qwen3-moe", "glm4-moe", "qwen3-next",
-        "qwen3.5"])  # fmt: skip
+        "qwen3.5", "mixtral", "glm4-moe-without-qk-norm"])  # fmt: skip
 def test_attention_family_follows_the_math(build, family):
     families = _families(build())
     assert families and set(families.values()) == {family}, families
 
 
-@pytest.mark.parametrize("config", [
-    dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    dict(GLM4_MOE, use_qk_norm=False),
-], ids=["mixtral", "glm4-moe-without-qk-norm"])  # fmt: skip
-def test_no_family_applies_without_qk_norms_and_says_why(config):
-    [(family, why)] = attention_families(_hf(config)).values()
-    assert family is None and why.startswith("no family applies: ") and "q/k norms" in why
+def test_no_family_applies_without_qk_norms_or_rotate_half_and_says_why():
+    """gpt-oss: no q/k norms, and its RoPE (``_apply_rotary_emb``, chunked halves) is not HF's
+    rotate_half spelling that the no-norm gqa_prologue variants are written as."""
+    model = _hf(dict(_TINY, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2))
+    [(family, why)] = attention_families(model).values()
+    assert family is None and why.startswith("no family applies: ") and "q/k norms" in why and "rotate_half" in why
 
 
 def test_qwen3_moe_prologue_fuses_and_is_no_mla_candidate(tmp_path):

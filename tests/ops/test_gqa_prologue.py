@@ -1,8 +1,10 @@
 """fusion_compiler::gqa_prologue's reference against the MiniMax-M2.5 serving-engine reference
-attention (full-width norm) and against a per-head Gemma composition (Qwen3.5's form)."""
+attention (full-width norm), against a per-head Gemma composition (Qwen3.5's form), and against
+HF's own RoPE without q/k norms (Mixtral, GLM-4-MoE without use_qk_norm)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fusion_compiler.model_adapters.reference import minimax_m2 as ref
@@ -280,3 +282,48 @@ def test_checks_read_as_miss_reasons():
     call(cos=args["cos"][:1], sin=args["sin"][:1])  # one row for every token: HF's [1, 1] at decode
     with pytest.raises(ValueError, match="q dtype torch.float64 is not one the fused GQA prologue takes"):
         call(q=args["q"].double())
+
+
+@pytest.mark.parametrize("model", ["mixtral", "glm4_moe"])
+def test_without_norm_weights_is_hf_s_rope_and_cache_write_bit_for_bit(model):
+    """No q/k norms (both weights None): HF's own ``apply_rotary_pos_emb`` on the projections'
+    bf16 rows, full (Mixtral) or over half the head (GLM-4-MoE without use_qk_norm), every product
+    rounded: the op with ``round_rope_products`` is eager's bits, its canonical decomposition too,
+    v's rows are copied, and every other cache row is unchanged. Half the weights is an error."""
+    if model == "mixtral":
+        from transformers.models.mixtral import modeling_mixtral as hf
+    else:
+        from transformers.models.glm4_moe import modeling_glm4_moe as hf
+    batch, seq, heads, kv_heads, d = 2, 3, 4, 2, 32
+    rot = d if model == "mixtral" else d // 2
+    gen = torch.Generator().manual_seed(9)
+    q_in = (torch.randn(batch, seq, heads, d, generator=gen) * 3).bfloat16()
+    k_in, v_in = ((torch.randn(batch, seq, kv_heads, d, generator=gen) * 3).bfloat16() for _ in range(2))
+    freqs = torch.rand(batch, seq, rot // 2, generator=gen) * 100
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    q_hf, k_hf = hf.apply_rotary_pos_emb(q_in.transpose(1, 2), k_in.transpose(1, 2), cos, sin)
+    tokens = batch * seq
+    k_cache = torch.randn(batch, kv_heads, seq + 2, d, generator=gen).bfloat16()
+    named = {
+        **op.DEFAULTS, "q": q_in.view(tokens, heads, d), "k": k_in.view(tokens, kv_heads, d),
+        "v": v_in.view(tokens, kv_heads, d), "q_norm_weight": None, "k_norm_weight": None, "eps": 1e-6,
+        "weight_offset": 0.0, "full_width_norm": False, "cos": cos.reshape(-1, rot)[:, : rot // 2],
+        "sin": sin.reshape(-1, rot)[:, : rot // 2], "positions": None, "k_cache": k_cache.clone(),
+        "v_cache": k_cache.clone(), "slots": (torch.arange(batch)[:, None] * (seq + 2) + torch.arange(seq) + 1).reshape(-1),
+        "k_scale": 1.0, "v_scale": 1.0, "cache_heads_first": True, "round_rope_products": True,
+    }  # fmt: skip
+    q_out = op.gqa_prologue_reference(**{n: named[n] for n in op.ARG_NAMES})
+    assert torch.equal(q_out, q_hf.transpose(1, 2).reshape(tokens, heads, d))
+    k_rows, v_rows = (op.paged_view(named[c], True).flatten(0, 1) for c in ("k_cache", "v_cache"))
+    assert torch.equal(k_rows[named["slots"]], k_hf.transpose(1, 2).reshape(tokens, kv_heads, d))
+    assert torch.equal(v_rows[named["slots"]], named["v"])
+    others = torch.ones(k_rows.shape[0], dtype=torch.bool)
+    others[named["slots"]] = False
+    assert torch.equal(k_rows[others], op.paged_view(k_cache, True).flatten(0, 1)[others])
+    q_canon, k_canon, _ = op.gqa_prologue_canonical(**{**named, "k_cache": k_cache.clone(), "v_cache": k_cache.clone()})
+    assert torch.equal(q_canon, q_out) and torch.equal(k_canon, named["k_cache"])
+    fake = torch.ops.fusion_compiler.gqa_prologue(*(named[n] for n in op.ARG_NAMES))
+    assert torch.equal(fake, q_out)  # the registered op (CPU: the reference) takes None weights
+    with pytest.raises(ValueError, match="come together"):
+        op.gqa_prologue_reference(**{**{n: named[n] for n in op.ARG_NAMES}, "k_norm_weight": torch.ones(d)})

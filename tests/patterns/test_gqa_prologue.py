@@ -199,13 +199,14 @@ def test_the_full_width_spelling_matches():
 
 def test_per_head_norm_where_full_width_is_expected_does_not_match():
     """HF's plain per-head norm fuses in HF's layout only (Qwen3-MoE, GLM-4-MoE:
-    tests/patterns/test_gqa_prologue_per_head.py); into a paged cache it is a miss in words."""
+    tests/patterns/test_gqa_prologue_hf_models.py); into a paged cache it is a miss in words."""
     assert_missed(_near_miss("head"), "per head with a plain weight (x * w)", "paged cache")
 
 
-def test_rope_without_a_qk_norm_is_a_miss_in_words():
-    """GLM-4-MoE without use_qk_norm (HF's default): partial RoPE and the cache write, no norm."""
-    assert_missed(_near_miss("none"), "k has no RMS norm between its projection and its RoPE")
+def test_rope_without_a_qk_norm_into_a_paged_cache_is_a_miss_in_words():
+    """No q/k norm fuses in HF's code (Mixtral, GLM-4-MoE without use_qk_norm:
+    tests/patterns/test_gqa_prologue_hf_models.py); serving code's paged cache is a miss in words."""
+    assert_missed(_near_miss("none"), "k has no RMS norm", "paged cache", "HF's code (static cache) only")
 
 
 def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
