@@ -437,8 +437,8 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
     if reason:
         return reason
-    if p["layout"] == "hf" and not values["angles_duplicated"]:
-        return "cos/sin are not built as cat(freqs, freqs); the fused NeoX RoPE reads one angle per pair"
+    if p["layout"] == "hf" and mla_prologue.angles_reason(values):
+        return mla_prologue.angles_reason(values)
     if heads % kv_heads:
         return f"{heads} query heads do not share {kv_heads} kv heads evenly"
     return _cache_reason(values, p, kv_heads, head_dim)
@@ -807,7 +807,7 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
 
 def _facts_with_angles(nodes, inputs):
     facts = facts_of(nodes, inputs)
-    facts["angles_duplicated"] = all(mla_prologue._duplicated_halves(inputs.get(n)) for n in ("cos", "sin"))
+    facts.update(mla_prologue.angle_facts(inputs))
     if "q_var" in inputs:
         facts["variances"] = _variance_facts(inputs)
     if "q_weight" not in inputs:  # the no-norm variants: q and k must come with no norm in front

@@ -250,7 +250,7 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
         elif node.target is aten.amax.default:
             facts["quant_groups"].add(_val(node.args[0]).shape[-1])
     facts.update(_index_weight_scales(nodes, inputs.get("weights")))
-    facts["angles_duplicated"] = all(_duplicated_halves(inputs.get(name)) for name in ("cos", "sin"))
+    facts.update(angle_facts(inputs))
     facts["upcast_inputs"] = {name for name, node in inputs.items() if _is_upcast(node)}
     return facts
 
@@ -300,21 +300,41 @@ def _is_repeat_twice(node) -> bool:
     return source.args[1] in (-2, len(sizes) - 2)
 
 
-def _duplicated_halves(node) -> bool:
-    """HF's NeoX cos/sin are ``f(cat([freqs, freqs]))``: the fused op reads only the first
-    half, so it must be the same as the second. Walk back through elementwise ops to the cat."""
+def _angles_source(node) -> str | None:
+    """Where HF's NeoX cos/sin come from: "duplicated" for ``f(cat([freqs, freqs]))`` (the fused
+    op reads only the first half, so it must be the same as the second), "input" when they are
+    an input of this graph (the rotary embedding ran in another graph), else None. Walks back
+    through elementwise ops."""
     for _ in range(8):
         if not isinstance(node, torch.fx.Node):
-            return False
+            return None
+        if node.op == "placeholder":
+            return "input"
         if node.target is aten.cat.default:
             parts = node.args[0]
-            return len(parts) == 2 and parts[0] is parts[1]
+            return "duplicated" if len(parts) == 2 and parts[0] is parts[1] else None
         if node.target is aten.clone.default and _is_repeat_twice(node.args[0]):
-            return True  # how Inductor's decompositions write cat([x, x], -1)
+            return "duplicated"  # how Inductor's decompositions write cat([x, x], -1)
         if node.target not in _ELEMENTWISE:
-            return False
+            return None
         node = node.args[0]
-    return False
+    return None
+
+
+def angle_facts(inputs: Mapping[str, Any]) -> dict[str, bool]:
+    sources = [_angles_source(inputs.get(name)) for name in ("cos", "sin")]
+    return {"angles_duplicated": all(s == "duplicated" for s in sources),
+            "angles_from_input": any(s == "input" for s in sources)}  # fmt: skip
+
+
+def angles_reason(values: Mapping[str, Any]) -> Reason:
+    """Why HF's cos/sin cannot feed the fused NeoX RoPE, or None."""
+    if values["angles_duplicated"]:
+        return None
+    if values.get("angles_from_input"):
+        return ("cos/sin come into this graph from outside (the rotary embedding ran before a graph break), so "
+                "nothing shows their two halves are equal; the fused NeoX RoPE reads one angle per pair")
+    return "cos/sin are not built as cat(freqs, freqs); the fused NeoX RoPE reads one angle per pair"
 
 
 def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
@@ -334,8 +354,8 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if reason:
         return reason
     cos, sin = values["cos"], values["sin"]
-    if p["rope"] == "halves_hf" and not values["angles_duplicated"]:
-        return "cos/sin are not built as cat(freqs, freqs); the fused NeoX RoPE reads one angle per pair"
+    if p["rope"] == "halves_hf" and angles_reason(values):
+        return angles_reason(values)
     if not isinstance(cos, torch.Tensor) or cos.shape != sin.shape:
         return "cos and sin differ in shape"
     rot = cos.shape[-1] if p["rope"] == "halves_hf" else 2 * cos.shape[-1]

@@ -292,6 +292,19 @@ def test_neox_rope_with_distinct_half_angles_does_not_match():
     assert relative_error(actual, expected) < 1e-2
 
 
+def test_neox_rope_on_angles_from_outside_the_graph_says_so():
+    """cos/sin as graph inputs (the rotary embedding ran before a graph break): nothing shows the
+    halves are equal, and the miss says where they came from."""
+    q, freqs = _index_q_inputs()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype).unsqueeze(2), emb.sin().to(q.dtype).unsqueeze(2)
+    report, actual, expected = _compile(IndexQRope(rotate_half_rope), q, cos, sin)
+    assert report.per_variant() == {}
+    [miss] = report.misses()
+    assert "come into this graph from outside" in miss.reason, miss.reason
+    assert relative_error(actual, expected) < 1e-2
+
+
 def test_interleaved_rope_in_neox_clothing_does_not_match():
     report, actual, expected = _compile(WithAngles(IndexQRope(rotate_half_on_pairs)), *_index_q_inputs())
     assert report.per_variant() == {}
