@@ -69,11 +69,9 @@ import argparse
 import dataclasses
 import gc
 import importlib
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -154,11 +152,7 @@ def config_adapter(model: str, size: str) -> ModelAdapter:
     config = hf_configs.CONFIGS[model]
     if size == "tiny":
         config = hf_configs.tiny(config)
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "config.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f)
-        return adapter_from_hf_config(path)
+    return adapter_from_hf_config(config)
 
 
 def build_hf(model: str, kinds: tuple[str, ...], size: str, device: str, experts: str) -> Stack:

@@ -44,10 +44,11 @@ def get_adapter(name: str) -> ModelAdapter:
 _META_KEYS = ("model_type", "transformers_version", "_name_or_path", "auto_map")
 
 
-def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
-    """Adapter for any transformers config JSON that names its ``model_type`` (llama, qwen3, ...).
+def adapter_from_hf_config(path: str | os.PathLike | dict) -> ModelAdapter:
+    """Adapter for any transformers config JSON that names its ``model_type`` (llama, qwen3, ...),
+    given as a file or as the dict such a file holds.
 
-    The file's widths are used as both the tiny and the real config (write a small config for CPU
+    The config's widths are used as both the tiny and the real config (write a small config for CPU
     work); ``default_layers`` is its ``num_hidden_layers``. A model_type of one of ``ADAPTERS``
     keeps that adapter's layer kinds and expected sites; any other takes its layer kinds from its
     ``layer_types`` (else "decoder") and its expected sites from its module tree
@@ -56,14 +57,17 @@ def adapter_from_hf_config(path: str | os.PathLike) -> ModelAdapter:
     Raises ValueError if the file is missing, is not a JSON object, has no ``model_type``, or names
     a model_type this transformers does not know.
     """
-    p = os.fspath(path)
-    if not os.path.isfile(p):
-        raise ValueError(f"HF config file not found: {p!r}")
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"HF config file {p!r} is not valid JSON: {e}") from None
+    if isinstance(path, dict):
+        data, p = path, "(given as a dict)"
+    else:
+        p = os.fspath(path)
+        if not os.path.isfile(p):
+            raise ValueError(f"HF config file not found: {p!r}")
+        try:
+            with open(p, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"HF config file {p!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"HF config file {p!r} must hold a JSON object, got {type(data).__name__}")
     model_type = data.get("model_type")
