@@ -5,7 +5,8 @@ count is never mistaken for a hardware one.
 - CPU, eager: aten ops dispatched at the top level (views and allocations excluded).
 - CPU, compiled: launches in the wrapper code Inductor generated (its C++ kernels, extern
   GEMMs, our fused ops, fallbacks). A TorchDispatchMode cannot count these: Dynamo runs
-  the model eagerly while such a mode is active.
+  the model eagerly while such a mode is active. `cuda_launch_proxy` turns those into the
+  CPU proxy of the GPU count: each of our ops counted as the kernels it launches on CUDA.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _compat
+from ..ops.launches import cuda_launches
 
 _ALLOCATIONS = {
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
@@ -90,6 +92,19 @@ def wrapper_launches(source: str) -> Counter:
             name = match.group(1)
             names["inductor::generated_kernel" if name.startswith(("cpp_fused", "triton_")) else name] += 1
     return names
+
+
+CUDA_PROXY = "CPU proxy of the GPU count"
+
+
+def cuda_launch_proxy(names: Mapping[str, int]) -> int:
+    """The CPU proxy of the GPU count, from `wrapper_launches` names: a call of one of our ops
+    counts the kernels it launches on CUDA (ops/launches.py), any other launch (an Inductor
+    kernel, an extern GEMM, a host's opaque op) one. On CUDA Inductor emits Triton kernels where
+    the CPU has C++ ones, from the same scheduler (its backends differ in a few fusion rules):
+    a proxy of the GPU's count, not a measurement of it."""
+    return sum(n * (cuda_launches(name) if name.startswith("torch.ops.fusion_compiler.") else 1)
+               for name, n in names.items())  # fmt: skip
 
 
 def count_cpu_compiled(compile_and_run: Callable[[], object]) -> tuple[KernelCount, object]:

@@ -18,11 +18,19 @@ ways to fill the slot:
   VllmConfig built afterwards gets `vllm_pass` in the slot (unless it already holds one of
   ours); unset or ``0``, it changes nothing.
 
+Never worse than stock: inside vLLM, a family replaces a site only where our op launches fewer
+kernels on CUDA than Inductor emits for the same nodes (`never_worse`). vLLM lowers its
+norms and RoPE to plain torch that Inductor fuses with their neighbours (q-norm, k-norm, RoPE
+and the cos/sin gather in one kernel); our norm and RoPE ops would each launch one of their own.
+So those sites stay with Inductor, and the report lists each with its reason (status
+`LEFT`). A family named in ``FusionConfig.families`` runs as asked, everywhere.
+
 This module imports vLLM; the package itself imports it only when vLLM is already loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -35,10 +43,14 @@ import vllm
 from vllm.compilation.passes import inductor_pass as vllm_inductor_pass
 from vllm.compilation.passes.inductor_pass import InductorPass
 
+from .. import _compat
 from ..config import FusionConfig
+from ..ops.launches import cuda_launches
 from ..passes.fusion_pass import FusionPass, pass_uuid
+from ..passes.report import GraphReport, MatchReport
 from ..patterns import vllm_ir, vllm_rope
-from ..patterns.registry import Family, source_text
+from ..patterns.registry import Family, Variant, source_text
+from ..patterns.site import Site
 
 log = logging.getLogger("fusion_compiler")
 
@@ -49,12 +61,102 @@ ENABLE_ENV = "FUSION_COMPILER_VLLM"
 OPTIONS_ENV = "FUSION_COMPILER_VLLM_OPTIONS"
 
 
+# A Site status: a site a family matches, left to Inductor because Inductor emits no more
+# kernels for it than our op launches.
+LEFT = "left to Inductor"
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorFuses:
+    """A site Inductor lowers by itself: ``what`` in words, the kernels Inductor emits for its
+    nodes on CUDA, and the op our replacement calls (its launches: ops/launches.py)."""
+
+    what: str
+    kernels: int
+    op: str
+
+    def reason(self) -> str | None:
+        """Why the site stays with Inductor, or None where our op launches fewer kernels."""
+        ours = cuda_launches(self.op)
+        if ours < self.kernels:
+            return None
+        kernels = "one Inductor kernel" if self.kernels == 1 else f"{self.kernels} Inductor kernels"
+        return (f"{LEFT}: {self.what} is {kernels}, fused with its neighbours' pointwise work; "
+                f"ours would launch {ours} and fuse with nothing")  # fmt: skip
+
+
+def _inductor_fuses(family: str, variant: Variant) -> InductorFuses | None:
+    """What Inductor makes of a variant's nodes, where that is known to be few kernels: the
+    norms, and RoPE without a cache write. A variant that absorbs what Inductor cannot fuse (a
+    cache write, the GDN core, top-k, an FP8 quant, a GEMM) is not here: ours is fewer."""
+    params = variant.params
+    if params.get("fp8") or params.get("cache"):
+        return None
+    if family == "add_rms_norm":
+        if params.get("residual"):
+            return InductorFuses("an RMSNorm with its residual add", 1, "add_rms_norm")
+        return InductorFuses("an RMSNorm", 1, "rms_norm")
+    if family == "gated_rms_norm":
+        return InductorFuses("a gated RMSNorm (norm, weight and silu gate)", 1, "gated_rms_norm")
+    if family == "mla_prologue":
+        op = "mla_kv_prologue" if params.get("site") in ("kv", "index_k") else "mla_q_prologue"
+        return InductorFuses("RoPE with its cos/sin gather and no cache write", 1, op)
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NeverWorse:
+    """A family split by `never_worse`: ``kept`` (the variants that lower the launch count;
+    None if none do) and, per variant left to Inductor, its reason."""
+
+    kept: Family | None
+    left: dict[str, str]
+
+
+@functools.cache
+def never_worse(family: Family) -> NeverWorse:
+    """``family`` inside vLLM. Cached per Family object: the kept family is traced once."""
+    left = {}
+    for variant in family.variants:
+        fuses = _inductor_fuses(family.name, variant)
+        reason = fuses.reason() if fuses else None
+        if reason:
+            left[variant.name] = reason
+    kept = tuple(v for v in family.variants if v.name not in left)
+    if not left:
+        return NeverWorse(family, {})
+    return NeverWorse(dataclasses.replace(family, variants=kept) if kept else None, left)
+
+
+class VllmMatchReport(MatchReport):
+    """The match report of the vLLM route: also the sites left to Inductor, each with why."""
+
+    def left(self, family: str | None = None) -> list[Site]:
+        return [s for s in self.sites if s.status == LEFT and family in (None, s.family)]
+
+    def summary(self) -> str:
+        left = self.left()
+        more = f"; {len(left)} sites left to Inductor (no more launches there than ours)" if left else ""
+        return super().summary() + more
+
+    def format(self) -> str:
+        lines = [super().format()]
+        lines += [f"  {s.reason} [{s.family} {s.variant} at {s.module or '?'} ({s.anchor})]" for s in self.left()]
+        return "\n".join(lines)
+
+
 class VllmFusionPass(FusionPass, InductorPass):
     """`FusionPass` as a vLLM `InductorPass`, matching vLLM's own spellings (patterns/vllm_ir.py,
-    patterns/vllm_rope.py) before the core variants. Its report (``.report``) marks each graph
-    with the vLLM version and compile range it was compiled for."""
+    patterns/vllm_rope.py) before the core variants, and leaving to Inductor what it lowers in
+    as few kernels (`never_worse`). Its report (``.report``, a `VllmMatchReport`) marks each
+    graph with the vLLM version and compile range it was compiled for."""
+
+    def __init__(self, config: FusionConfig | None = None, report: MatchReport | None = None):
+        super().__init__(config, report if report is not None else VllmMatchReport())
+        self._left_anchors: set[str] = set()  # anchors of the sites left in the graph being run
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self._left_anchors = set()
         rewritten = vllm_ir.functionalize_maybe_inplace(graph)
         if rewritten:
             log.info("fusion_compiler: %d in-place vLLM IR norm call(s) made functional", rewritten)
@@ -64,6 +166,44 @@ class VllmFusionPass(FusionPass, InductorPass):
         core = super().families_for(name)
         ours = tuple(f for f in VLLM_FAMILIES if f.name == name)
         return (*ours, *core)
+
+    def _run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
+        sites = self._never_worse_run(family, lowering, graph, model_nodes)
+        # A node an earlier family (or spelling) left to Inductor as its site's anchor is no miss
+        # of this one: the gated norm's rsqrt, say, is also a plain norm's anchor.
+        sites = [s for s in sites if s.status != "missed" or s.anchor not in self._left_anchors]
+        self._left_anchors.update(s.anchor for s in sites if s.status == LEFT)
+        return sites
+
+    def _never_worse_run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
+        split = never_worse(family) if lowering == "triton" and family.name not in self.config.families else None
+        if split is None or not split.left:
+            return super()._run(family, lowering, graph, model_nodes)
+        # What the whole family would take, found on a copy: the graph keeps the left sites' nodes.
+        copy, copied = torch.fx.Graph(), {}
+        copy.output(copy.graph_copy(graph, copied))
+        _compat.graph_module_lazy(graph.owning_module, copy)  # the matcher needs the graph's module
+        would = super()._run(family, lowering, copy, {copied[n] for n in model_nodes if n in copied})
+        # The kept variants run on the graph only where they took a site on the copy (each
+        # family traced is seconds of a compile).
+        kept = split.kept and any(s.status == "matched" and s.variant not in split.left for s in would)
+        took = {s.anchor: s for s in super()._run(split.kept, lowering, graph, model_nodes)} if kept else {}
+        sites = []
+        for site in would:
+            real = took.get(site.anchor)
+            if real is not None and real.status == "matched":
+                sites.append(real)
+            elif site.status == "matched" and site.variant in split.left:
+                sites.append(dataclasses.replace(site, status=LEFT, reason=split.left[site.variant]))
+            else:
+                sites.append(real or site)
+        return sites
+
+    def _log(self, graph_report: GraphReport) -> None:
+        super()._log(graph_report)
+        for site in graph_report.sites:
+            if site.status == LEFT:
+                log.info("  %s at %s", site.reason, site.module)
 
     def pipeline(self) -> str:
         # vLLM's pass context holds the compile range; outside vLLM's backend there is none.

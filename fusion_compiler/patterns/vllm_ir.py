@@ -6,7 +6,8 @@ Inside vLLM 0.33 our pass runs in `PostGradPassManager` after vLLM's own fusions
 
     RMSNorm(x)                 vllm_ir.rms_norm.default(x, weight, eps)
     RMSNorm(x, residual)       vllm_ir.fused_add_rms_norm.default(x, residual, weight, eps)
-                               -> (out, residual_out), read through getitem
+                               -> (out, residual_out), read through getitem (a model's final
+                               norm reads only out: the `out_only` variants)
     GemmaRMSNorm               the same ops, weight = weight.float() + 1.0 (a convert and an add)
 
 Semantics (vllm/ir/ops/layernorm.py): fp32 math over the whole row; the residual sum is taken
@@ -73,14 +74,25 @@ def _add_norm(weight_of):
     return search
 
 
+def _add_norm_out_only(weight_of):
+    """A model's final norm: ``hidden_states, _ = self.norm(hidden_states, residual)``, the
+    residual sum read by nothing."""
+
+    def search(x, residual, weight, eps):
+        return _vllm_ir().fused_add_rms_norm.default(x, residual, weight_of(weight), eps)[0]
+
+    return search
+
+
 # Gemma first: the plain variant's weight would also bind Gemma's (w + 1) node, and compute the
 # same thing less directly.
 _WEIGHTS = {"gemma": (_gemma_weight, 1.0), "": (_weight, 0.0)}
 
 VARIANTS = tuple(
     Variant(f"vllm_ir.{op}{'.' + name if name else ''}", build(weight_of),
-            {"weight_offset": offset, "residual": residual, "fp8": False})
-    for op, build, residual in (("fused_add_rms_norm", _add_norm, True), ("rms_norm", _norm, False))
+            {"weight_offset": offset, "residual": residual, "residual_out": build is _add_norm, "fp8": False})
+    for op, build, residual in (("fused_add_rms_norm", _add_norm, True),
+                                ("fused_add_rms_norm.out_only", _add_norm_out_only, True), ("rms_norm", _norm, False))
     for name, (weight_of, offset) in _WEIGHTS.items()
 )  # fmt: skip
 
@@ -89,6 +101,17 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if values.get("weight") is None:
         return "weight is None (RMSNorm(has_weight=False)); the fused op multiplies by a weight"
     return add_rms_norm.guard(values, variant)
+
+
+def replacement(variant: Variant, lowering: str):
+    replace = add_rms_norm.replacement(variant, lowering)
+    if not variant.params["residual"] or variant.params["residual_out"]:
+        return replace
+
+    def replace_out_only(x, residual, weight, eps):
+        return replace(x, residual, weight, eps)[0]
+
+    return replace_out_only
 
 
 def _is_norm(node: torch.fx.Node) -> bool:
@@ -144,7 +167,7 @@ FAMILY = Family(
     scalars=add_rms_norm.FAMILY.scalars,
     guard=guard,
     facts_of=facts_of,
-    replacement=add_rms_norm.replacement,
+    replacement=replacement,
     is_site=is_site,
     explain=explain,
     source_modules=(__name__, *add_rms_norm.FAMILY.source_modules),

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,18 @@ def _no_compile_caches(monkeypatch, tmp_path):
         yield
 
 
+# The families these tests exercise, named: a named family runs as asked, where by default the
+# pass leaves norms and RoPE to Inductor inside vLLM (test_vllm_launches.py tests that policy).
+NAMED = {"add_rms_norm": "triton", "gated_rms_norm": "triton", "mla_prologue": "triton"}
+
+
 def _recording_pass(config=None):
-    """Our vLLM pass, also keeping the targets of every graph vLLM hands it."""
+    """Our vLLM pass (the families above named), also keeping the targets of every graph vLLM
+    hands it."""
+    from fusion_compiler import FusionConfig
     from fusion_compiler.integrations.vllm import VllmFusionPass
+
+    config = config or FusionConfig(families=NAMED)
 
     class Recording(VllmFusionPass):
         seen: list = []
@@ -119,7 +129,30 @@ def test_every_norm_of_a_layer_fuses_inside_vllm(weight_dtype):
     _assert_close(eager, compiled)
 
 
-def test_cli_string_resolves_to_our_pass_and_fuses(monkeypatch):
+class FinalNorm(nn.Module):
+    """A model's final norm as vLLM models write it: the residual sum is read by nothing."""
+
+    def __init__(self):
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+        super().__init__()
+        self.norm = GemmaRMSNorm(WIDTH, eps=1e-6).to(BF16)
+        self.norm.weight.data.normal_(0, 0.2)
+
+    def forward(self, x, residual):
+        hidden_states, _ = self.norm(x, residual)
+        return hidden_states
+
+
+def test_final_norm_with_its_residual_sum_unread_fuses():
+    our_pass = _recording_pass()
+    eager, compiled, _ = compile_with_vllm_backend(vllm_config({SLOT: our_pass}), FinalNorm, _inputs())
+    assert our_pass.report.per_variant() == {"vllm_ir.fused_add_rms_norm.out_only.gemma": 1}
+    assert our_pass.report.misses() == []
+    _assert_close([eager], [compiled])
+
+
+def test_cli_string_resolves_to_our_pass_and_runs(monkeypatch):
     import fusion_compiler
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -138,10 +171,11 @@ def test_cli_string_resolves_to_our_pass_and_fuses(monkeypatch):
 
     config = vllm_config(inductor_passes={SLOT: "fusion_compiler.vllm_pass"})
     assert config.compilation_config.inductor_compile_config[SLOT] is fusion_compiler.vllm_pass
-    before = fusion_compiler.vllm_pass.report.count()
+    before = len(fusion_compiler.vllm_pass.report.left())
     eager, compiled, backend = compile_with_vllm_backend(config, Norms, _inputs())
     assert fusion_compiler.vllm_pass in backend.pass_manager.passes
-    assert fusion_compiler.vllm_pass.report.count() - before == 4
+    # The default config: the four norms are sites, each left to Inductor (one kernel each there).
+    assert len(fusion_compiler.vllm_pass.report.left()) - before == 4
     _assert_close(eager, compiled)
 
 
@@ -348,7 +382,8 @@ def test_plugin_disabled_changes_nothing():
 
 
 def test_plugin_enabled_installs_the_pass_in_every_new_config():
-    out = json.loads(_python(_PLUGIN_RUN, FUSION_COMPILER_VLLM="1").splitlines()[-1])
+    options = json.dumps({"families": {"add_rms_norm": "triton"}})
+    out = json.loads(_python(_PLUGIN_RUN, FUSION_COMPILER_VLLM="1", FUSION_COMPILER_VLLM_OPTIONS=options).splitlines()[-1])
     assert out["before"]["slot"] == "NoneType"
     assert out["after"]["slot"] == "VllmFusionPass"
     assert out["after"]["passes"][-1] == "VllmFusionPass"
@@ -427,6 +462,27 @@ def test_vllm_native_partial_neox_rope_fuses_after_the_qk_norms():
     assert report.per_variant() == {"vllm.rope_neox_partial": 2, "vllm_ir.rms_norm": 2}
     assert report.misses() == []
     _assert_close(eager, compiled)  # the op rounds once in fp32; vLLM's eager rounds each bf16 step
+
+
+def test_by_default_qk_norms_and_rope_stay_with_inductor():
+    """Never worse (integrations/vllm.py): Inductor fuses q-norm, k-norm, RoPE and the cos/sin
+    gather into one kernel; our two norms and two RoPE ops would launch 4. By default the four
+    sites are left to Inductor, each with its reason, and the graph is stock vLLM's."""
+    from fusion_compiler.inspect.counting import cuda_launch_proxy, wrapper_launches
+    from fusion_compiler.integrations.vllm import VllmFusionPass
+
+    def launches(slot):
+        _, sources = _compat.run_and_get_code(
+            lambda: compile_with_vllm_backend(vllm_config(slot), QkNormRope, _rope_inputs()))
+        return cuda_launch_proxy(sum((wrapper_launches(code) for code in sources), Counter()))
+
+    default, named = VllmFusionPass(), _recording_pass()
+    assert launches({}) == launches({SLOT: default}) < launches({SLOT: named})
+    report = default.report
+    assert report.per_variant() == {} and report.misses() == []
+    assert {s.variant: s.family for s in report.left()} == {"vllm_ir.rms_norm": "add_rms_norm", "vllm.rope_neox_partial": "mla_prologue"}
+    assert len(report.left()) == 4
+    assert "left to Inductor: RoPE with its cos/sin gather and no cache write is one Inductor kernel" in report.format()
 
 
 @pytest.mark.parametrize(
