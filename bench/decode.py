@@ -74,7 +74,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -254,7 +254,6 @@ class Step:
 class Compiled:
     fn: Callable
     backend: fc.FusionBackend | None = None
-    expected: dict = dataclasses.field(default_factory=dict)
 
 
 def compile_modes(modes, model: torch.nn.Module, expected: dict) -> dict[str, Compiled]:
@@ -273,7 +272,7 @@ def compile_modes(modes, model: torch.nn.Module, expected: dict) -> dict[str, Co
         else:
             # Not strict: a miss is a result here (the report goes into the JSON), not an abort.
             backend = fc.FusionBackend(fc.FusionConfig(expected=expected))
-            compiled[mode] = Compiled(torch.compile(model, backend=backend), backend, expected)
+            compiled[mode] = Compiled(torch.compile(model, backend=backend), backend)
     return compiled
 
 
@@ -348,7 +347,7 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
         report = compiled.backend.report
         row["matches"] = report.summary()
         row["missing_expected"] = report.to_dict().get("missing_expected", [])
-        row["fused"] = fused_counts(report, compiled.expected)
+        row["fused"] = fused_counts(report, compiled.backend.config.expected)
         # Why each miss missed, so a result with a miss explains itself.
         row["misses"] = [{"family": m.family, "module": m.module, "reason": m.reason, "stopped_at": m.stopped_at}
                          for m in report.misses()]  # fmt: skip
@@ -363,7 +362,7 @@ def measure(mode: str, compiled: Compiled, step: Step, timing: bool) -> tuple[di
     return row, out, state
 
 
-def fused_counts(report, expected: dict) -> dict[str, list[int]]:
+def fused_counts(report, expected: Mapping) -> dict[str, list[int]]:
     """Family -> [expected sites fused, expected sites]; a site fused again (another batch's
     graph) counts once."""
     out = {}

@@ -100,6 +100,15 @@ gated_bench() {  # SECONDS
   timeout "$1" python3 bench/rms_norm.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
   echo "gated bench: rc=$?"; grep -v -i warn "$R/gated_bench.log" | tail -n 8
 }
+# The routing and experts kernels' GPU tests, then the router at real widths: checked, and one
+# launch against two at 1-256 tokens (bench/moe_router_check.py check,split), into $R.
+moe_checks() {  # TESTS_SECONDS ROUTER_SECONDS
+  run_tests moe_kernel_tests "$1" -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
+    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
+  timeout "$2" python3 bench/moe_router_check.py --parts check,split \
+    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
+  echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 30
+}
 # A tier group: its own pytest run and log; a failed group sets status.
 run_group() {  # NAME SECONDS PATHS...
   local name=$1 limit=$2; shift 2
@@ -264,16 +273,11 @@ gqa-tp)
   pack tp_results
   ;;
 moe-launches)
-  # Issue 27's kernel count: the routing and experts kernels' GPU tests, the router's one launch
-  # against two at 1-256 tokens (bench/moe_router_check.py check,split), then the experts alone
-  # (scan mode's 2 launches beside the plan mode's 4) at the token counts in ARGS.
+  # Issue 27's kernel count: moe_checks, then the experts alone (scan mode's 2 launches beside the
+  # plan mode's 4) at the token counts in ARGS.
   R=$OUT/moe_launches_results
   source bench/device_setup.sh "$R"
-  run_tests moe_kernel_tests 200 -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
-    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
-  timeout 150 python3 bench/moe_router_check.py --parts check,split \
-    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
-  echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 40
+  moe_checks 200 150
   limit=$((570 - SECONDS))
   timeout "$limit" python3 bench/moe_experts.py --seconds $((limit - 40)) \
     --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
@@ -283,11 +287,7 @@ moe-launches)
 moe-layers)
   R=$OUT/moe_layers_results
   source bench/device_setup.sh "$R"
-  run_tests moe_kernel_tests 170 -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
-    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
-  timeout 110 python3 bench/moe_router_check.py --parts check,split \
-    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
-  echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 30
+  moe_checks 170 110
   timeout $((${LAYERS_END:-570} - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" "$@" > "$R/decode.log" 2>&1
   echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
   pack moe_layers_results

@@ -437,8 +437,9 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
     if reason:
         return reason
-    if p["layout"] == "hf" and mla_prologue.angles_reason(values):
-        return mla_prologue.angles_reason(values)
+    reason = mla_prologue.angles_reason(values) if p["layout"] == "hf" else None
+    if reason:
+        return reason
     if heads % kv_heads:
         return f"{heads} query heads do not share {kv_heads} kv heads evenly"
     return _cache_reason(values, p, kv_heads, head_dim)

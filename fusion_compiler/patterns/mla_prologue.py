@@ -354,8 +354,9 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if reason:
         return reason
     cos, sin = values["cos"], values["sin"]
-    if p["rope"] == "halves_hf" and angles_reason(values):
-        return angles_reason(values)
+    reason = angles_reason(values) if p["rope"] == "halves_hf" else None
+    if reason:
+        return reason
     if not isinstance(cos, torch.Tensor) or cos.shape != sin.shape:
         return "cos and sin differ in shape"
     rot = cos.shape[-1] if p["rope"] == "halves_hf" else 2 * cos.shape[-1]
