@@ -63,8 +63,10 @@ from fusion_compiler.ops.moe_experts import SMALL_BATCH_MAX_TOKENS, moe_experts_
 TOKENS = (1, 8, 64, 256)
 MODES = ("ours", "stock_inductor", "grouped_mm", "eager")
 # Each kernel path of ours at every token count (CUDA only): where the op's dispatch
-# (ops/moe_experts.SMALL_BATCH_MAX_TOKENS) should switch from the one to the other.
-KERNEL_PATHS = ("ours_small_batch", "ours_grouped", "ours_grouped_plan")
+# (ops/moe_experts.SMALL_BATCH_MAX_TOKENS) should switch from the one to the other, and the
+# grouped kernels' two modes (plan mode ships: GroupedConfig.scan_max_pairs 0).
+KERNEL_PATHS = ("ours_small_batch", "ours_grouped_scan", "ours_grouped_plan")
+SCAN_MAX_PAIRS = 4096  # scan mode for every decode batch here
 ROTATIONS = 4
 OURS_TOLERANCE = 1e-2
 BARS = {1: 70.0, 64: 60.0}  # tokens -> % of the copy bandwidth ours must reach
@@ -204,8 +206,9 @@ def kernel_path_fns(experts: torch.nn.Module) -> dict:
 
         return run
 
-    # ours_grouped: scan mode up to 4096 pairs (2 launches); ours_grouped_plan: the plan mode's 4
-    return {"ours_small_batch": path(small_batch_experts), "ours_grouped": path(grouped_experts),
+    # ours_grouped_scan: scan mode (2 launches); ours_grouped_plan: plan mode (4)
+    return {"ours_small_batch": path(small_batch_experts),
+            "ours_grouped_scan": path(grouped_experts, scan_max_pairs=SCAN_MAX_PAIRS),
             "ours_grouped_plan": path(grouped_experts, scan_max_pairs=0)}  # fmt: skip
 
 

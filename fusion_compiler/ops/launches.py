@@ -32,7 +32,7 @@ CUDA_LAUNCHES: Mapping[str, int | None] = MappingProxyType({
     "moe_route": 1,
     "moe_router": 1,
     # kernels/moe_experts.py: gate/up then down, two GEMV-style launches (the grouped path above
-    # SMALL_BATCH_MAX_TOKENS: two up to 4096 pairs, four past it).
+    # SMALL_BATCH_MAX_TOKENS: four, kernels/moe_experts_grouped.py's plan mode).
     "moe_experts": 2,
     "moe_experts_fp8": 2,
     # kernels/decode_attention.py: the split-KV kernel and its combine (one launch when the

@@ -23,8 +23,8 @@ On CUDA (``_cuda``) two kernel paths, chosen by the number of tokens:
 * up to ``SMALL_BATCH_MAX_TOKENS``: kernels/moe_experts.py, two GEMV-style launches that read
   each pair's expert once (no sort);
 * above: kernels/moe_experts_grouped.py, the pairs grouped by expert on the device and each
-  touched expert's weights read once for all its tokens: two launches up to 4096 pairs (the
-  down kernel combines), four past it (a long prefill).
+  touched expert's weights read once for all its tokens: four launches (a sorted plan,
+  gate/up, down, a combine; the two-launch scan mode is selectable by config, not shipped).
 
 Neither syncs the host; a CUDA graph captures both.
 """
