@@ -42,6 +42,11 @@ def is_sigmoid(node) -> bool:
     return target(node) is aten.add.Tensor and target(node.args[0]) is aten.exp.default
 
 
+def is_pair_slice(node) -> bool:
+    """``x[..., 0::2]`` or ``x[..., 1::2]``: one half of GPT-J's interleaved RoPE pairs."""
+    return target(node) is aten.slice.Tensor and len(node.args) > 4 and node.args[4] == 2
+
+
 def walk(node, want, depth: int, neighbours):
     """The first node within ``depth`` steps of ``node`` (breadth first) that ``want`` accepts."""
     frontier, seen = [node], {node}

@@ -70,7 +70,7 @@ import torch
 from .. import _compat
 from ..ops import gqa_prologue as gqa_ops
 from . import add_rms_norm, mla_prologue
-from ..fx.graph_walk import downstream, upstream, val_shape, walk
+from ..fx.graph_walk import downstream, is_pair_slice, upstream, val_shape, walk
 from .registry import Family, Reason, Variant
 from .spellings import FP8, write_rows
 
@@ -766,8 +766,7 @@ def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
 
 def _interleaved_pairs(rows: torch.fx.Node) -> torch.fx.Node | None:
     """A slice with step 2 above the K rows (``x[..., ::2]``, ``x[..., 1::2]``): GPT-J's pairs."""
-    return upstream(rows, lambda n: getattr(n, "target", None) is aten.slice.Tensor and len(n.args) > 4
-                    and n.args[4] == 2, 16)  # fmt: skip
+    return upstream(rows, is_pair_slice, 16)
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

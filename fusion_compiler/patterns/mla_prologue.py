@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..fx.graph_walk import is_pair_slice
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import mla_q_prologue as q_ops
 from . import add_rms_norm, prologue_calls
@@ -603,13 +604,6 @@ def is_site(node: torch.fx.Node) -> bool:
     return any(_is_rotate_half(x) for x in (*left, *right))
 
 
-def _pair_slice(node) -> torch.fx.Node | None:
-    """``x[..., 0::2]`` or ``x[..., 1::2]`` (through casts): one half of GPT-J pairs."""
-    node = _strip(node)
-    is_pair = isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor and len(node.args) > 4
-    return node if is_pair and node.args[4] == 2 else None
-
-
 def _in_indexer(node: torch.fx.Node) -> bool:
     paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
     return bool(paths) and "indexer" in str(paths[-1]).rsplit(".", 1)[-1].lower()
@@ -621,8 +615,8 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     (DeepSeek V3.2's indexer ropes NeoX halves); other departures get Inductor's FailedMatch
     text."""
     if _in_indexer(anchor):
-        pairs = [_pair_slice(x) for mul in anchor.args for x in (_mul_operands(mul) or ())]
-        pairs = [p for p in pairs if p is not None]
+        pairs = [_strip(x) for mul in anchor.args for x in (_mul_operands(mul) or ())]
+        pairs = [p for p in pairs if is_pair_slice(p)]
         if pairs:
             return pairs[0], (
                 "the indexer ropes interleaved (GPT-J) pairs; the indexer prologue's kernels rotate NeoX "
