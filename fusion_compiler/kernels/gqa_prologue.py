@@ -1,16 +1,18 @@
-"""GQA attention prologue (q/k RMSNorm, or none, + partial NeoX RoPE + K/V cache write): one
-Triton kernel and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its reference
-must match).
+"""GQA attention prologue (q/k RMSNorm, or none, + partial NeoX or GPT-J RoPE + K/V cache
+write): one Triton kernel and its launcher. Semantics: ``fusion_compiler.ops.gqa_prologue`` (its
+reference must match).
 
 Design: three programs per token (q; k and its cache write; v's cache write) hold the token's rows
 as [heads, lanes] tiles (rows addressed by token and head strides, so Qwen3.5's q inside its [q |
 gate] head rows is read in place). A head row is three pieces (``_pieces``): the two rotary halves
 side by side, so lane i of one is the NeoX partner of lane i of the other and a pair rotates in
-place, and the pass-through lanes. A full-width norm's rstd is one reduction over the token's rows
-first; a per-head norm's one reduction over a whole-row tile; without norm weights (an attention
-with no q/k norms) the ``NORM`` constexpr drops both and the weight reads. q goes to ``q_out``; k
-and v go to their cache rows at the token's slot (slot -1: nothing), FP8 caches as ``value /
-scale`` (correctly rounded: ``_device.div_rn_by``) clamped to +-448 and rounded to e4m3. Both
+place, and the pass-through lanes (GPT-J's interleaved RoPE, the ``ROPE_PAIRS`` constexpr: the
+even and the odd rotary lanes, pair i at lanes 2i and 2i + 1 turning by angle i). A full-width
+norm's rstd is one reduction over the token's rows first; a per-head norm's one reduction over a
+whole-row tile; without norm weights (an attention with no q/k norms) the ``NORM`` constexpr
+drops both and the weight reads. q goes to ``q_out``; k and v go to their cache rows at the
+token's slot (slot -1: nothing), FP8 caches as ``value / scale`` (correctly rounded:
+``_device.div_rn_by``) clamped to +-448 and rounded to e4m3. Both
 cache layouts (paged [blocks, block_size, kv_heads, D] and HF's heads-first static cache) are one
 addressing with the launcher's (block, row, head) strides. cos / sin rows (any float dtype, any
 row stride) are read at ``positions[t]``, or at row ``t % rows`` without positions (HF's [1, S]
@@ -45,7 +47,7 @@ import triton.language as tl
 from ._device import div_rn_by, downcast, launch_on_device, round_trip, store_fp8_as_bytes
 from ._device import to_fp8e4nv_clamped, upcast
 
-KERNEL_VERSION = "gqa_prologue-15"
+KERNEL_VERSION = "gqa_prologue-16"
 # Up to this many tokens a program takes its rows as one tile (few programs: each program's
 # latency is the time); above, ~BLOCK_LANES_* lanes a block (many programs: registers per program
 # decide how many are in flight). H200 (bench/NOTES.md, gqa_prologue), MiniMax bf16 / Qwen3.5 /
@@ -176,12 +178,16 @@ def _token_rstd(X, stride_h, heads, VAR, t, stride_var, divisor, eps, HB: tl.con
 
 
 @triton.jit
-def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
+def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
+            ROPE_PAIRS: tl.constexpr):
     """A head row's lanes as three pieces: the rotary halves [0, ROT/2) and [ROT/2, ROT) (lane i
-    of one is the NeoX partner of lane i of the other) and the pass-through lanes [ROT, D):
-    (first, second, pass, half lanes in range, pass lanes in range), each [1, width]."""
+    of one is the NeoX partner of lane i of the other; ROPE_PAIRS: the even and the odd rotary
+    lanes, GPT-J's pairs) and the pass-through lanes [ROT, D): (first, second, pass, half lanes
+    in range, pass lanes in range), each [1, width]; pair i is element i of first and second."""
     first = tl.arange(0, HALF_PAD)[None, :]
     rest = ROT + tl.arange(0, PASS_PAD)[None, :]
+    if ROPE_PAIRS:
+        return 2 * first, 2 * first + 1, rest, first < ROT // 2, rest < D
     return first, first + ROT // 2, rest, first < ROT // 2, rest < D
 
 
@@ -189,15 +195,16 @@ def _pieces(D: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD
 def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, eps, weight_offset,
                D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
                FULL_WIDTH: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-               ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr):
+               ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr):
     """rope(norm(x)) of heads ``h`` ([HB, 1]) of one token's rows at X (head stride stride_h), as
     the three ``_pieces`` in fp32 (rounded values). Full width: the token's rstd is given.
     Without NORM (an attention with no q/k norms) rope(x): no reduction, no weight read.
     Holding the rotary halves side by side, every lane is loaded and normed once and a NeoX pair
     rotates in place. A second full-width tile of each lane's partner would double the norm work
     on the rotary lanes and carry a dead tile over the rest, and at 4096 tokens the kernel is
-    bound by instruction issue (bench/NOTES.md, gqa_prologue)."""
-    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
+    bound by instruction issue (bench/NOTES.md, gqa_prologue). ROPE_PAIRS: GPT-J's pairs, the
+    even and the odd rotary lanes (loads at stride 2)."""
+    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD, ROPE_PAIRS)
     rows = X + h * stride_h
     half_mask, rest_mask = (h < heads) & half_ok, (h < heads) & rest_ok
     x1 = upcast(tl.load(rows + first, mask=half_mask, other=0.0))
@@ -217,8 +224,12 @@ def _norm_rope(X, stride_h, h, W, COS, SIN, cos_row, sin_row, heads, full_rstd, 
             w_row = 0 * h
         x1 = _normed(x1, W, w_row + first, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
         x2 = _normed(x2, W, w_row + second, half_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
-    c = upcast(tl.load(COS + cos_row + first, mask=half_ok, other=1.0))
-    s = upcast(tl.load(SIN + sin_row + first, mask=half_ok, other=0.0))
+    if ROPE_PAIRS:  # pair i's angle is column i
+        angle = first // 2
+    else:
+        angle = first
+    c = upcast(tl.load(COS + cos_row + angle, mask=half_ok, other=1.0))
+    s = upcast(tl.load(SIN + sin_row + angle, mask=half_ok, other=0.0))
     out1, out2 = _rotated(x1, x2, c, s, OUT_DTYPE, ROUND_ROPE)
     if NORM:
         x3 = _normed(x3, W, w_row + rest, rest_mask, rstd, weight_offset, OUT_DTYPE, ROUND_NORMALIZED)
@@ -263,7 +274,7 @@ def _gqa_prologue_kernel(
     ROT: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FULL_WIDTH: tl.constexpr, NORM: tl.constexpr, HAS_VARIANCE: tl.constexpr, HAS_POSITIONS: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, INTERLEAVED: tl.constexpr, KV_ONE_PROGRAM: tl.constexpr,
-    ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr,
+    ROUND_NORMALIZED: tl.constexpr, ROUND_ROPE: tl.constexpr, ROPE_PAIRS: tl.constexpr,
 ):
     # Program (t, role): role 0 ropes q, role 1 ropes and caches k, role 2 caches v, each HB_*
     # heads at a time (a full-width norm sums all of them first, then re-reads them).
@@ -276,7 +287,7 @@ def _gqa_prologue_kernel(
         t, role = pid // ROLES, pid % ROLES
     else:
         t, role = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD)
+    first, second, rest, half_ok, rest_ok = _pieces(D, ROT, HALF_PAD, PASS_PAD, ROPE_PAIRS)
     if role == 2:
         _cache_v_rows(V, t, stride_vt, stride_vh, tl.load(SLOTS + t).to(tl.int64), V_CACHE, V_CACHE_U8, kv_heads,
                       v_scale, stride_vc_blk, stride_vc_off, stride_vc_h, HB_KV, KV_BLOCKS, BLOCK_SIZE, D, D_PAD, V_FP8)
@@ -294,7 +305,7 @@ def _gqa_prologue_kernel(
                 h = block * HB_Q + tl.arange(0, HB_Q)[:, None]
                 q1, q2, q3 = _norm_rope(X, stride_qh, h, QW, COS, SIN, cos_row, sin_row, heads, full_rstd, eps,
                                         weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH, NORM,
-                                        Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
+                                        Q.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE, ROPE_PAIRS)
                 out = Q_OUT + t * stride_qo + h * D
                 out_dtype = Q_OUT.dtype.element_ty
                 tl.store(out + first, downcast(q1, out_dtype), mask=(h < heads) & half_ok)
@@ -309,7 +320,7 @@ def _gqa_prologue_kernel(
                 h = block * HB_KV + tl.arange(0, HB_KV)[:, None]
                 k1, k2, k3 = _norm_rope(X, stride_kh, h, KW, COS, SIN, cos_row, sin_row, kv_heads, full_rstd, eps,
                                         weight_offset, D, D_PAD, ROT, HALF_PAD, PASS_PAD, FULL_WIDTH, NORM,
-                                        K.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE)
+                                        K.dtype.element_ty, ROUND_NORMALIZED, ROUND_ROPE, ROPE_PAIRS)
                 _write_cache(K_CACHE, K_CACHE_U8, k1, h, first, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
                              stride_kc_off, stride_kc_h, BLOCK_SIZE, K_FP8)
                 _write_cache(K_CACHE, K_CACHE_U8, k2, h, second, half_ok, slot, kv_heads, k_scale, stride_kc_blk,
@@ -331,11 +342,11 @@ def _paged_strides(cache: torch.Tensor, heads_first: bool) -> tuple[int, int, in
 def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
                      k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance, k_variance,
                      variance_divisor, round_normalized, round_rope_products, q_out,
-                     config: GqaPrologueConfig | None = None) -> None:  # fmt: skip
+                     config: GqaPrologueConfig | None = None, interleaved_rope: bool = False) -> None:  # fmt: skip
     """Launch the kernel: writes ``q_out`` [T, heads, D] and the caches in place. Arguments as
-    the op's (already validated there); q/k/v, cos/sin and the caches need unit stride along
-    their last dim, the norm weights and q_out are contiguous. ``config`` None: the shipped
-    launch policy. No host syncs."""
+    the op's (already validated there; its last, ``interleaved_rope``, by keyword); q/k/v,
+    cos/sin and the caches need unit stride along their last dim, the norm weights and q_out are
+    contiguous. ``config`` None: the shipped launch policy. No host syncs."""
     config = DEFAULT_CONFIG if config is None else config
     tokens, heads, head_dim = q.shape
     if tokens == 0:
@@ -383,7 +394,7 @@ def gqa_prologue_fwd(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, 
             FULL_WIDTH=bool(full_width_norm), NORM=norm, HAS_VARIANCE=has_variance, HAS_POSITIONS=positions is not None,
             K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, INTERLEAVED=interleaved,
             KV_ONE_PROGRAM=config.kv_one_program, ROUND_NORMALIZED=bool(round_normalized),
-            ROUND_ROPE=bool(round_rope_products), num_warps=warps,
+            ROUND_ROPE=bool(round_rope_products), ROPE_PAIRS=bool(interleaved_rope), num_warps=warps,
             # HF's rounded RoPE products: no FMA may fuse one into the sum (``_rotated``). The
             # serving layout (fp32 RoPE, rounded once) keeps contraction: at 4096 tokens the
             # kernel is bound by instruction issue (bench/NOTES.md, gqa_prologue).

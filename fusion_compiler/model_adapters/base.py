@@ -610,8 +610,9 @@ def attention_families(model: torch.nn.Module) -> dict[str, tuple[str | None, st
     module computes: a latent K/V (``kv_a_proj_with_mqa``: MLA) with RoPE is mla_prologue's, per-head
     K/V projections (``k_proj`` / ``v_proj``) with q/k norms gqa_prologue's, and without them too
     where the module's code ropes with HF's ``rotate_half`` (NeoX halves: Mixtral, Qwen2-MoE,
-    GLM-4-MoE without use_qk_norm). Anything else gets no family and the reason (an MLA without
-    RoPE; no q/k norms and another RoPE, as gpt-oss's ``_apply_rotary_emb``)."""
+    GLM-4-MoE without use_qk_norm; GPT-J pairs: GLM-4, Helium). Anything else gets no family and
+    the reason (an MLA without RoPE; no q/k norms and another RoPE, as gpt-oss's
+    ``_apply_rotary_emb``)."""
     out: dict[str, tuple[str | None, str]] = {}
     config = getattr(model, "config", None)
     for name, m in model.named_modules():
@@ -623,16 +624,17 @@ def attention_families(model: torch.nn.Module) -> dict[str, tuple[str | None, st
             if hasattr(m, "q_norm") and hasattr(m, "k_norm"):
                 out[name] = ("gqa_prologue", "per-head K/V with q/k norms")
             elif _ropes_with_rotate_half(m):
-                out[name] = ("gqa_prologue", "per-head K/V without q/k norms, NeoX RoPE (rotate_half)")
+                out[name] = ("gqa_prologue", "per-head K/V without q/k norms, HF's rotate_half RoPE (NeoX or GPT-J)")
             else:
                 out[name] = (None, "no family applies: the attention has no q/k norms and its code has no "
-                                   "rotate_half (NeoX) RoPE, the no-norm gqa_prologue's")  # fmt: skip
+                                   "rotate_half RoPE (NeoX or GPT-J), the no-norm gqa_prologue's")  # fmt: skip
     return out
 
 
 def _ropes_with_rotate_half(module: torch.nn.Module) -> bool:
     """The module's code (its class's module) defines HF's ``rotate_half`` and
-    ``apply_rotary_pos_emb``: the NeoX RoPE that gqa_prologue's no-norm variants are written as."""
+    ``apply_rotary_pos_emb``: the RoPE that gqa_prologue's no-norm variants are written as (NeoX
+    halves, or GLM-4's GPT-J pairs)."""
     code = sys.modules.get(type(module).__module__)
     return all(callable(getattr(code, f, None)) for f in ("rotate_half", "apply_rotary_pos_emb"))
 

@@ -1,13 +1,15 @@
-"""GQA attention prologue: q/k RMSNorm + partial NeoX RoPE + K/V cache write, one op
+"""GQA attention prologue: q/k RMSNorm + partial NeoX or GPT-J RoPE + K/V cache write, one op
 (issue 5: MiniMax-M2.5's full-width QK-norm; Qwen3.5's per-head Gemma QK-norm; issue 29: HF's
-plain per-head QK-norm, and no QK-norm at all: Mixtral, Qwen2-MoE, GLM-4-MoE by default).
+plain per-head QK-norm, and no QK-norm at all: Mixtral, Qwen2-MoE, GLM-4-MoE by default, GLM-4's
+GPT-J pairs).
 
     fusion_compiler::gqa_prologue(Tensor q, Tensor k, Tensor v, Tensor? q_norm_weight,
         Tensor? k_norm_weight, float eps, float weight_offset, bool full_width_norm,
         Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache,
         Tensor slots, float k_scale, float v_scale, bool cache_heads_first,
         Tensor? q_variance=None, Tensor? k_variance=None, float variance_divisor=1.0,
-        bool round_normalized=False, bool round_rope_products=False) -> Tensor q_out
+        bool round_normalized=False, bool round_rope_products=False,
+        bool interleaved_rope=False) -> Tensor q_out
 
     fusion_compiler::gqa_prologue_variance(Tensor q, Tensor k) -> Tensor   [T, 2] fp32
 
@@ -33,7 +35,11 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  ``MiniMaxText01RMSNormTP`` divides), or an already global mean and 1.0. Here q,
                  k and the weights are this rank's heads and weight shards.
     rope(x)      NeoX (rotate-half) on each head's first ``rotary_dim = 2 * cos.shape[-1]``
-                 dims (up to all D), one angle per pair: cos / sin [N, rotary_dim / 2] read at
+                 dims (up to all D), pairs (i, i + rotary_dim / 2); with ``interleaved_rope``
+                 GPT-J's pairs (2i, 2i + 1) instead, kept in place (HF's GLM / GLM-4:
+                 ``rotate_half`` on ``x[..., 0::2]``, ``x[..., 1::2]``, cos / sin
+                 ``repeat_interleave``d). Pair i turns by angle i, one angle per pair: cos / sin
+                 [N, rotary_dim / 2] read at
                  row ``positions[t]`` (vLLM's cos_sin_cache halves), or without positions at row
                  ``t % N``, N dividing T: one row per token (HF's per-row ``position_ids``), or
                  one per position of a sequence repeated over the batch (HF's default [1, S]
@@ -71,7 +77,7 @@ import torch
 
 from ._checks import require_dtype, require_shape, require_size_eq, require_slots_in_range
 from .padding_slots import padded_scatter_rows
-from .rope import cos_sin_for_tokens, rope_neox_reference
+from .rope import cos_sin_for_tokens, rope_interleaved_reference, rope_neox_reference
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FP8_MAX = 448.0
@@ -82,17 +88,18 @@ _SCHEMA = (
     "bool full_width_norm, Tensor cos, Tensor sin, Tensor? positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slots, float k_scale, float v_scale, bool cache_heads_first, Tensor? q_variance=None, "
     "Tensor? k_variance=None, float variance_divisor=1.0, bool round_normalized=False, "
-    "bool round_rope_products=False) -> Tensor"
+    "bool round_rope_products=False, bool interleaved_rope=False) -> Tensor"
 )
 ARG_NAMES = (
     "q", "k", "v", "q_norm_weight", "k_norm_weight", "eps", "weight_offset", "full_width_norm", "cos", "sin",
     "positions", "k_cache", "v_cache", "slots", "k_scale", "v_scale", "cache_heads_first", "q_variance",
-    "k_variance", "variance_divisor", "round_normalized", "round_rope_products",
+    "k_variance", "variance_divisor", "round_normalized", "round_rope_products", "interleaved_rope",
 )  # fmt: skip
 # The tensor-parallel arguments' defaults: the op computes the full-width means itself.
 NO_VARIANCE = {"q_variance": None, "k_variance": None, "variance_divisor": 1.0}
-# The defaults of the arguments after cache_heads_first: no variances given, one rounding each.
-DEFAULTS = {**NO_VARIANCE, "round_normalized": False, "round_rope_products": False}
+# The defaults of the arguments after cache_heads_first: no variances given, one rounding each,
+# NeoX pairs.
+DEFAULTS = {**NO_VARIANCE, "round_normalized": False, "round_rope_products": False, "interleaved_rope": False}
 
 
 def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
@@ -110,8 +117,8 @@ def _require_float(t: torch.Tensor, name: str, dtypes: tuple = _FLOATS) -> None:
 
 def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
               k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first, q_variance=None, k_variance=None,
-              variance_divisor=1.0, round_normalized=False,
-              round_rope_products=False) -> tuple[int, int, int, int]:  # fmt: skip
+              variance_divisor=1.0, round_normalized=False, round_rope_products=False,
+              interleaved_rope=False) -> tuple[int, int, int, int]:  # fmt: skip
     """(heads, kv_heads, head_dim, rotary_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
                     ("cos", cos), ("sin", sin)):  # fmt: skip
@@ -194,20 +201,25 @@ def _norm(x, weight, eps, weight_offset, full_width, round_normalized, variance=
     return (normalized * (weight.float() + weight_offset)).to(x.dtype).view(x.shape)
 
 
-def _rope(x, cos, sin, rotary_dim, round_products):
-    """cos / sin: fp32 [T, rotary_dim / 2]."""
+def _rope(x, cos, sin, rotary_dim, round_products, interleaved=False):
+    """cos / sin: fp32 [T, rotary_dim / 2]. ``interleaved``: GPT-J pairs (2i, 2i + 1) in place."""
     if not round_products:
-        return torch.cat([rope_neox_reference(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+        rope = rope_interleaved_reference if interleaved else rope_neox_reference
+        return torch.cat([rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
 
     def rounded(t):
         return t.to(x.dtype).float()
 
     half = rotary_dim // 2
     cos, sin = cos[:, None, :], sin[:, None, :]
-    first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
-    rotated = (rounded(rounded(first * cos) - rounded(second * sin)),
-               rounded(rounded(second * cos) + rounded(first * sin)))  # fmt: skip
-    return torch.cat([r.to(x.dtype) for r in rotated] + [x[..., rotary_dim:]], dim=-1)
+    if interleaved:
+        first, second = x[..., 0:rotary_dim:2].float(), x[..., 1:rotary_dim:2].float()
+    else:
+        first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
+    rotated = [rounded(rounded(first * cos) - rounded(second * sin)).to(x.dtype),
+               rounded(rounded(second * cos) + rounded(first * sin)).to(x.dtype)]  # fmt: skip
+    rotated = [torch.stack(rotated, dim=-1).flatten(-2)] if interleaved else rotated
+    return torch.cat(rotated + [x[..., rotary_dim:]], dim=-1)
 
 
 def _cos_sin(cos, sin, positions, tokens):
@@ -229,7 +241,7 @@ def _write(cache, heads_first, slots, rows, scale):
 def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin,
                            positions, k_cache, v_cache, slots, k_scale, v_scale, cache_heads_first=False,
                            q_variance=None, k_variance=None, variance_divisor=1.0, round_normalized=False,
-                           round_rope_products=False):  # fmt: skip
+                           round_rope_products=False, interleaved_rope=False):  # fmt: skip
     """Plain torch, any device; writes the caches in place and returns q_out."""
     *_, rotary_dim = _validate(
         q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm, cos, sin, positions,
@@ -239,7 +251,7 @@ def gqa_prologue_reference(q, k, v, q_norm_weight, k_norm_weight, eps, weight_of
     require_slots_in_range(slots, paged.shape[0] * paged.shape[1])
     cos, sin = _cos_sin(cos, sin, positions, q.shape[0])
     norm = (eps, weight_offset, full_width_norm, round_normalized)
-    rope = (cos, sin, rotary_dim, round_rope_products)
+    rope = (cos, sin, rotary_dim, round_rope_products, interleaved_rope)
     q_out = _rope(_norm(q, q_norm_weight, *norm, q_variance, variance_divisor), *rope)
     k_out = _rope(_norm(k, k_norm_weight, *norm, k_variance, variance_divisor), *rope)
     _write(k_cache, cache_heads_first, slots, k_out, k_scale)
@@ -258,7 +270,7 @@ def gqa_prologue_canonical(**kwargs):
         positions = torch.arange(args["q"].shape[0], device=cos.device) % cos.shape[0]
     cos, sin = cos_sin_for_tokens(cos, sin, positions)
     norm = (args["eps"], args["weight_offset"], args["full_width_norm"], args["round_normalized"])
-    rope = (cos, sin, rotary_dim, args["round_rope_products"])
+    rope = (cos, sin, rotary_dim, args["round_rope_products"], args["interleaved_rope"])
     divisor = args["variance_divisor"]
     q_out = _rope(_norm(args["q"], args["q_norm_weight"], *norm, args["q_variance"], divisor), *rope)
     k_out = _rope(_norm(args["k"], args["k_norm_weight"], *norm, args["k_variance"], divisor), *rope)
@@ -298,11 +310,11 @@ def _all_args(args: tuple) -> tuple:
 def _cuda(*args):
     from fusion_compiler.kernels.gqa_prologue import gqa_prologue_fwd
 
-    args = _all_args(args)
+    *args, interleaved_rope = _all_args(args)
     heads, _, head_dim, _ = _validate(*args)
     q = args[0]
     q_out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
-    gqa_prologue_fwd(*args, q_out)
+    gqa_prologue_fwd(*args, q_out, interleaved_rope=interleaved_rope)
     return q_out
 
 

@@ -1,6 +1,6 @@
-"""GQA attention prologue: q/k RMSNorm (or none) + partial NeoX RoPE + the K/V cache write, one
-site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE, GLM-4-MoE,
-Mixtral, Qwen2-MoE) -> ``gqa_prologue``.
+"""GQA attention prologue: q/k RMSNorm (or none) + partial NeoX (or GPT-J) RoPE + the K/V cache
+write, one site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE,
+GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium) -> ``gqa_prologue``.
 
 Three norms, each as its model writes it, and none:
 
@@ -15,7 +15,10 @@ Three norms, each as its model writes it, and none:
   Qwen2-MoE, Llama: full RoPE; GLM-4-MoE with its default ``use_qk_norm=False``: half the head),
   in HF's layout only. Its pattern begins at RoPE, so it would also fit a normed attention with
   the norm left outside: these variants come after every normed one, and the guard declines a q
-  or k with an RMS norm in front (the normed variants' reasons stand).
+  or k with an RMS norm in front (the normed variants' reasons stand). ``none.hf*_gptj``: GPT-J's
+  interleaved pairs as HF's GLM / GLM-4 write them (``rotate_half`` stacking (-x[..., 1::2],
+  x[..., 0::2]) pair by pair, cos / sin's first half ``repeat_interleave``d) over half the head
+  (GLM-4) or all of it (Helium); the op's ``interleaved_rope``.
 
 Two layouts, each as its code writes it:
 
@@ -51,10 +54,12 @@ The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-thro
 HF's rotation itself (full RoPE) written to HF's static cache or after a q/k norm. A plain
 attention with no RoPE, or no cache write, has no site.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
-the matched nodes: the RoPE's slice points (partial, NeoX halves, not GPT-J pairs), the norm's
-width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a norm in
-front. Not fused, said in words: GPT-J's interleaved RoPE (any norm), and no norm written to a
-paged cache (serving code).
+the matched nodes: the RoPE's slice points (NeoX halves or GPT-J pairs, as the variant says), the
+dims of a pairwise repeat (``repeat_interleave`` and ``cat([x, x])`` trace alike but for one int),
+the norm's width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a
+norm in front. Not fused, said in words: GPT-J pairs after a q/k norm, in another spelling (fp32
+pair products) or turned by cos / sin not repeated pairwise, and no norm written to a paged cache
+(serving code).
 """
 
 from __future__ import annotations
@@ -122,6 +127,31 @@ def rope_full_hf(x, cos, sin):
     return mla_prologue.rope_halves_hf(x, cos, sin)
 
 
+def rotate_pairs_hf(x):
+    """HF GLM / GLM-4's ``rotate_half``: GPT-J pairs (x[2i], x[2i + 1]) -> (-x[2i + 1], x[2i])."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def pair_angles_hf(cos):
+    """HF GLM / GLM-4: cos (sin) ``cat(freqs, freqs)``, its first half repeated pairwise."""
+    return cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+
+def rope_pairs_partial_hf(x, cos, sin):
+    """HF GLM / GLM-4 ``apply_rotary_pos_emb`` after its cos / sin ``pair_angles_hf``: GPT-J
+    pairs on the first ``cos.shape[-1]`` dims, the rest passed through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + rotate_pairs_hf(x_rot) * sin, x_pass], dim=-1)
+
+
+def rope_pairs_full_hf(x, cos, sin):
+    """GPT-J pairs over the whole head (GLM with partial_rotary_factor 1, Helium): no slice, no
+    pass-through."""
+    return x * cos + rotate_pairs_hf(x) * sin
+
+
 def rope_partial_fp32(x, cos, sin):
     """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
     fp32, one rounding (model_adapters/reference/paged_kv.py's ``rope_neox_partial``)."""
@@ -149,12 +179,18 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
     return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
 
-def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, positions, rotary: str):
-    """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype,
-    the static cache written at the positions (``index_copy_`` along the sequence dim)."""
-    rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
+def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, positions, rotary: str, rope: str = "neox"):
+    """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype
+    (NeoX halves, or GPT-J pairs as GLM-4 writes them), the static cache written at the
+    positions (``index_copy_`` along the sequence dim)."""
+    if rope == "gptj":
+        rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
+    else:
+        rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if rope == "gptj":
+        cos, sin = pair_angles_hf(cos), pair_angles_hf(sin)
     q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
     k_cache = aten.index_put.default(k_cache, [None, None, positions], k)
     v_cache = aten.index_put.default(v_cache, [None, None, positions], v)
@@ -179,12 +215,13 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
     return prologue
 
 
-def _search_no_norm(rotary: str):
+def _search_no_norm(rotary: str, rope: str):
     """HF's attention without q/k norms (Mixtral, Qwen2-MoE, Llama; GLM-4-MoE without
-    ``use_qk_norm``): q, k, v [B, S, heads, D] are the projections' head views, RoPE'd as they are."""
+    ``use_qk_norm``; GLM-4's GPT-J pairs): q, k, v [B, S, heads, D] are the projections' head
+    views, RoPE'd as they are."""
 
     def prologue_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
-        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary)
+        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope)
 
     return prologue_no_norm
 
@@ -209,14 +246,16 @@ def _search_tp(cache: str):
     return prologue_tp
 
 
-def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial") -> Variant:
+def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial",
+             rope: str = "neox") -> Variant:  # fmt: skip
     name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" else "")
-    name += "_full_rope" if rotary == "full" else ""
+    name += ("_full_rope" if rotary == "full" else "") + ("_gptj" if rope == "gptj" else "")
     if norm == "none":
-        search = _search_no_norm(rotary)
+        search = _search_no_norm(rotary, rope)
     else:
         search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
-    return Variant(name, search, {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary})
+    params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope}
+    return Variant(name, search, params)
 
 
 # The tensor-parallel variants come after the single-rank ones: a single-rank graph never reaches
@@ -226,6 +265,7 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 # serving reference of ours writes it. No norm comes last, HF's code only: its pattern begins at
 # RoPE, so it also fits a normed attention whose norm another variant declined; every normed
 # variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
+# GPT-J pairs: HF's GLM-4 (partial) and Helium (full) only, both without q/k norms.
 VARIANTS = (
     tuple(
         _variant(norm, layout, cache)
@@ -236,6 +276,7 @@ VARIANTS = (
     + (_variant("per_head", "hf"), _variant("per_head", "hf", rotary="full"))
     + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
+    + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
 )
 
 # ------------------------------------------------------------------------------------------
@@ -285,7 +326,8 @@ SCALARS = {"eps": _EPS, "k_scale": _K_SCALE, "v_scale": _V_SCALE}
 
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
-    facts: dict[str, Any] = {"slices": set(), "norm_widths": set(), "weight_offsets": set(), "casts": set()}
+    facts: dict[str, Any] = {"slices": set(), "norm_widths": set(), "weight_offsets": set(), "casts": set(),
+                             "repeats": set(), "unsqueezes": set()}  # fmt: skip
     weights = {inputs.get("q_weight"), inputs.get("k_weight")} - {None}
     for node in nodes:
         if node.op != "call_function":
@@ -302,12 +344,29 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             facts["weight_offsets"].add(node.args[1])  # Gemma's (1 + w)
         elif node.target is prims.convert_element_type.default:
             facts["casts"].add(node.args[1])
+        elif node.target is aten.expand.default:
+            facts["repeats"].add(repeat_kind(node))
+        elif node.target is aten.unsqueeze.default and val_shape(node) is not None:
+            facts["unsqueezes"].add((node.args[1] % len(val_shape(node)), len(val_shape(node))))
         elif node.target is aten.div.Tensor and not isinstance(node.args[1], torch.fx.Node):
             facts.setdefault("graph_scales", []).append(node.args[1])
     scales = facts.pop("graph_scales", [])
     if len(scales) == 2:  # k's write comes first in the pattern
         facts["graph_k_scale"], facts["graph_v_scale"] = scales
     return facts
+
+
+def repeat_kind(expand: torch.fx.Node) -> str:
+    """``expand(unsqueeze(x, d), sizes)`` as Inductor writes a repeat along the last dim: "pairs"
+    with the new dim last and 2 wide (``repeat_interleave(2, -1)``: x0 x0 x1 x1 ...), "tiles"
+    with it second to last and 2 wide (``cat([x, x], -1)``: x0 x1 ... x0 x1 ...), else "other"."""
+    source, sizes = expand.args[0], list(expand.args[1])
+    if getattr(source, "target", None) is not aten.unsqueeze.default or len(sizes) < 2:
+        return "other"
+    dim = source.args[1] % len(sizes)
+    if dim == len(sizes) - 1 and sizes[-1] == 2:
+        return "pairs"
+    return "tiles" if dim == len(sizes) - 2 and sizes[-2] == 2 else "other"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,10 +493,14 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         reason = _norm_reason(values, p["norm"], heads, kv_heads, head_dim)
     if reason:
         return reason
-    reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
+    if p["rope"] == "gptj":
+        reason = _pairs_reason(values, rot, head_dim, p["rotary"])
+    else:
+        reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
     if reason:
         return reason
-    reason = mla_prologue.angles_reason(values) if p["layout"] == "hf" else None
+    # GPT-J pairs read cos / sin's first half only, as HF's code does: no duplicated halves needed.
+    reason = mla_prologue.angles_reason(values) if p["layout"] == "hf" and p["rope"] == "neox" else None
     if reason:
         return reason
     if heads % kv_heads:
@@ -535,6 +598,32 @@ def _rope_reason(slices: set, rot: int, head_dim: int, layout: str, rotary: str 
     return None
 
 
+def _pairs_reason(values, rot: int, head_dim: int, rotary: str) -> Reason:
+    """HF GLM-4's GPT-J RoPE: cos / sin's first half repeated pairwise, x's even and odd lanes of
+    the first ``rot`` dims (all of them with full RoPE) stacked back pair by pair. The tracer left
+    every int a wildcard: the repeat's and the stack's new dims, the slices."""
+    if values["repeats"] != {"pairs"}:
+        kinds = ", ".join(sorted(values["repeats"]))
+        return (f"cos / sin are repeated as {kinds}, not pairwise (repeat_interleave): GPT-J pairs (2i, 2i + 1) "
+                "would not share one angle (a NeoX cos / sin layout on interleaved pairs)")  # fmt: skip
+    if values["unsqueezes"] != {(1, 4), (4, 5)}:
+        return (f"new dims at {sorted(values['unsqueezes'])} (dim, rank): not HF's cos / sin over heads, the "
+                "pairwise repeat and rotate_half's pair stack, each on the last dim")  # fmt: skip
+    if rotary == "full" and rot != head_dim:
+        return f"RoPE covers {rot} of {head_dim} dims where all are expected"
+    if rotary == "partial" and rot >= head_dim:
+        return f"RoPE covers all {head_dim} dims: the full-RoPE variant takes it"
+    half = rot // 2
+    want = {(0, half, 1), (0, _NO_END, 2), (1, _NO_END, 2)}  # cos / sin's first half; x's pairs
+    if rotary == "partial":  # x[..., :rot], x[..., rot:]
+        want |= {(0, rot, 1), (rot, _NO_END, 1)}
+    got = {(a, min(b, _NO_END), step) for a, b, step in values["slices"]}
+    if got != want:
+        return (f"RoPE slices {sorted(got)} (start, end, step) are not GPT-J pairs of the first {rot} dims with "
+                f"cos / sin's first half")  # fmt: skip
+    return None
+
+
 def _cache_reason(values, p, kv_heads: int, head_dim: int) -> Reason:
     k_cache, v_cache, where = values["k_cache"], values["v_cache"], values["where"]
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -582,6 +671,8 @@ def replacement(variant: Variant, lowering: str):
     # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
     # activation dtype, one rounding per op (without a norm, on the projections' own rows).
     rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf")
+    if p["rope"] == "gptj":
+        rounding["interleaved_rope"] = True
 
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
@@ -649,9 +740,31 @@ _THROUGH = (
 )  # fmt: skip
 
 
+def _rotates_pairs_hf(node) -> bool:
+    """HF GLM / GLM-4's ``x * cos + rotate_pairs_hf(x) * sin``: a product with ``stack((-x2,
+    x1), -1).flatten(-2)``, post-grad ``reshape(cat([unsqueeze(neg(x2)), unsqueeze(x1)]))``."""
+    if getattr(node, "target", None) is not aten.add.Tensor:
+        return False
+    for mul in node.args:
+        for x in mul.args if getattr(mul, "target", None) is aten.mul.Tensor else ():
+            x = x.args[0] if getattr(x, "target", None) in (aten.reshape.default, aten.view.default) else x
+            if getattr(x, "target", None) is aten.cat.default and any(
+                getattr(part, "target", None) is aten.unsqueeze.default
+                and getattr(part.args[0], "target", None) is aten.neg.default
+                for part in x.args[0]
+            ):
+                return True
+    return False
+
+
+def _rotation(node) -> bool:
+    """A RoPE's rotated half or halves (mla_prologue.is_site), or HF's GPT-J pairs rotation."""
+    return isinstance(node, torch.fx.Node) and (mla_prologue.is_site(node) or _rotates_pairs_hf(node))
+
+
 def _is_rotation(node) -> bool:
-    """A RoPE's rotated half (mla_prologue.is_site), or the cat / stack of the two (fp32 NeoX
-    halves, GPT-J pairs): any RoPE layout, so one this family does not fuse is still a site."""
+    """A RoPE's rotated half (``_rotation``), or the cat / stack of the two (fp32 NeoX halves,
+    GPT-J pairs): any RoPE layout, so one this family does not fuse is still a site."""
     for _ in range(4):
         if not isinstance(node, torch.fx.Node) or node.target not in (*_THROUGH, aten.unsqueeze.default):
             break
@@ -660,7 +773,7 @@ def _is_rotation(node) -> bool:
         return False
     if node.target is aten.cat.default:
         return any(_is_rotation(x) for x in node.args[0] if isinstance(x, torch.fx.Node) and x is not node)
-    return mla_prologue.is_site(node)
+    return _rotation(node)
 
 
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -697,7 +810,7 @@ def _roped_rows(node, static_cache: bool) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
-        if mla_prologue.is_site(node):
+        if _rotation(node):
             # HF's rotation written as it is (full RoPE: no pass-through to cat back): a site
             # written to HF's static cache (the no-norm variants' layout), or after a q/k norm.
             return static_cache or _normed(node)
@@ -769,6 +882,45 @@ def _interleaved_pairs(rows: torch.fx.Node) -> torch.fx.Node | None:
     return upstream(rows, is_pair_slice, 16)
 
 
+def _pair_angles(rotation: torch.fx.Node) -> bool:
+    """Whether the products of HF's GPT-J rotation (``x * cos``, ``rotate_half(x) * sin``) read
+    cos / sin repeated pairwise, in ``apply_rotary_pos_emb`` or before the cos (Cohere's rotary
+    embedding): walked back along the angles' elementwise ops."""
+
+    def back(n):
+        return [n.args[0]] if n.target in mla_prologue._ELEMENTWISE and isinstance(n.args[0], torch.fx.Node) else []
+
+    for mul in rotation.args:
+        if getattr(mul, "target", None) is aten.mul.Tensor and isinstance(mul.args[1], torch.fx.Node):
+            expand = walk(mul.args[1], lambda n: n.target is aten.expand.default, 10, back)
+            if expand is not None and repeat_kind(expand) == "pairs":
+                return True
+    return False
+
+
+def _pairs_departure(rows: torch.fx.Node, pairs: torch.fx.Node) -> tuple[torch.fx.Node, str]:
+    """Why GPT-J pairs (step-2 slices above the K rows) did not fuse: no HF rotate_half on them,
+    cos / sin not repeated pairwise, a q/k norm in front, or another spelling of the rest."""
+    rotation = upstream(rows, _rotates_pairs_hf, 8)
+    if rotation is None:
+        return pairs, ("k is rotated by interleaved (GPT-J) RoPE, pairs (2i, 2i + 1) taken by step-2 slices but not "
+                       "as HF's GLM-4 writes them (x * cos + rotate_half(x) * sin, rotate_half stacking "
+                       "(-x[..., 1::2], x[..., 0::2]) pair by pair): the fused GQA prologue takes GPT-J pairs in that "
+                       "spelling")  # fmt: skip
+    if not _pair_angles(rotation):
+        return rotation, ("k's GPT-J pairs (2i, 2i + 1) turn by cos / sin that are not repeated pairwise "
+                          "(repeat_interleave of their first half, as HF's GLM-4 writes them): the two lanes of a "
+                          "pair would turn by different angles, which is no rotation the fused GQA prologue "
+                          "takes")  # fmt: skip
+    if _normed(rows):
+        return rows, ("q/k are RMS-normalised before GPT-J pairs: the fused GQA prologue takes GPT-J pairs without "
+                      "q/k norms (HF's GLM-4) only")  # fmt: skip
+    return rotation, ("k's GPT-J pairs turn by cos / sin repeated pairwise, but not in HF GLM-4's spelling (bf16 "
+                      "products, cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb), e.g. in "
+                      "fp32 on angles repeated before the cos as Cohere writes it: the fused GQA prologue's GPT-J "
+                      "variants take GLM-4's spelling")  # fmt: skip
+
+
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """The site in the model's terms where its math departs from every variant: the K rows'
     dtype, GPT-J's interleaved RoPE, k without a norm outside HF's static cache, or k's norm (per
@@ -780,8 +932,7 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
     pairs = _interleaved_pairs(rows) if isinstance(rows, torch.fx.Node) else None
     if pairs is not None:
-        return pairs, ("k is rotated by interleaved (GPT-J) RoPE, pairs (2i, 2i + 1) taken by step-2 slices: the "
-                       "fused GQA prologue rotates NeoX halves (rotate_half)")  # fmt: skip
+        return _pairs_departure(rows, pairs)
     if isinstance(rows, torch.fx.Node) and not _normed(rows) and not _static_cache_write(anchor):
         return rows, ("k has no RMS norm between its projection and its RoPE, and is written to a paged cache: the "
                       "fused GQA prologue takes an attention without q/k norms in HF's code (static cache) only")  # fmt: skip

@@ -84,12 +84,13 @@ def _run(c, config=None):
     args = (q, k, v, qw, kw, 1e-6, 1.0 if c["offset"] else 0.0, c["full_width"], cos, sin, positions)
     tail = (slots.to(DEVICE), 0.5, 0.25, heads_first, *_variances(c, t, gen), c.get("round_normalized", False),
             c.get("round_rope", False))  # fmt: skip
+    pairs = c.get("interleaved_rope", False)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail)
+    q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail, pairs)
     q_out = torch.full((t, hq, d), float("nan"), dtype=act, device=DEVICE)
     pristine = k_cache.clone(), v_cache.clone()
-    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out, config=config)
-    _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail)
+    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out, config=config, interleaved_rope=pairs)
+    _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail, pairs)
     if act == torch.float32:  # fp32: another summation order is another last bit; float64 decides
         return
     _assert_bf16_close(q_out, q_ref, "q_out")
@@ -100,7 +101,7 @@ def _run(c, config=None):
             _assert_bf16_close(got, want, name)
 
 
-def _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail):
+def _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail, pairs=False):
     """The kernel's q and written K / V rows against the reference's math on float64 copies of
     its inputs (the rounding flags then round nothing: the exact values), and every cache byte
     outside the written slots equal to its poison."""
@@ -112,8 +113,8 @@ def _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail):
     cos64, sin64 = ops._cos_sin(cos64, sin64, None if positions is None else positions.cpu(), q.shape[0])
     rot = 2 * cos.shape[-1]
     norm = (eps, offset, full_width, round_normalized)
-    want_q = ops._rope(ops._norm(q64, qw64, *norm, variances[0], divisor), cos64, sin64, rot, round_rope)
-    want_k = ops._rope(ops._norm(k64, kw64, *norm, variances[1], divisor), cos64, sin64, rot, round_rope)
+    want_q = ops._rope(ops._norm(q64, qw64, *norm, variances[0], divisor), cos64, sin64, rot, round_rope, pairs)
+    want_k = ops._rope(ops._norm(k64, kw64, *norm, variances[1], divisor), cos64, sin64, rot, round_rope, pairs)
     tolerance = 2e-6 if q.dtype == torch.float32 else 1e-2
     slots = slots.cpu()
     written = slots[slots >= 0]
@@ -152,7 +153,7 @@ def configs(draw):
         full_width=draw(st.booleans()), offset=draw(st.booleans()), fp8=draw(st.booleans()),
         gated=draw(st.booleans()), heads_first=draw(st.booleans()), hf_angles=draw(st.booleans()),
         cos_rows=draw(st.sampled_from([r for r in range(1, tokens + 1) if tokens % r == 0])),
-        round_normalized=draw(st.booleans()), round_rope=draw(st.booleans()),
+        round_normalized=draw(st.booleans()), round_rope=draw(st.booleans()), interleaved_rope=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])), seed=draw(st.integers(0, 2**31 - 1)),
     )  # fmt: skip
 
@@ -253,8 +254,22 @@ def test_hf_without_qk_norms(rotary_dim):
     _run(c, _head_blocks_of(32))
 
 
+@pytest.mark.parametrize("rotary_dim", [16, 32], ids=["glm4-half-rope", "full-rope"])
+def test_hf_gptj_pairs_without_qk_norms(rotary_dim):
+    """HF GLM-4's prologue: no q/k norms, GPT-J pairs (2i, 2i + 1) over half the head (or all of
+    it), every bf16 product rounded, HF's static cache. bf16 and fp32, against float64 too, whole
+    tiles and one head a block; an FP8 paged cache with vLLM's tables as well."""
+    c = dict(tokens=4, kv_heads=2, group=2, head_dim=32, rotary_dim=rotary_dim, seed=19, fp8=False,
+             full_width=False, offset=False, heads_first=True, hf_angles=True, round_rope=True, no_norm=True,
+             interleaved_rope=True)  # fmt: skip
+    _run(c)
+    _run({**c, "cos_rows": 2, "dtype": torch.float32})
+    _run(c, _head_blocks_of(32))
+    _run({**c, "heads_first": False, "hf_angles": False, "round_rope": False, "fp8": True})
+
+
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-15"
+    assert KERNEL_VERSIONS["gqa_prologue"] == K.KERNEL_VERSION == "gqa_prologue-16"
 
 
 @pytest.mark.parametrize("lanes", [64, 256])  # 1 and 4 heads a block: q in 6 and 2 (one ragged) blocks

@@ -6,8 +6,8 @@ say why in words.
   V3, V3.2); per-head K/V with q/k norms -> gqa_prologue whatever the rotary dim (MiniMax-M2 on
   its own config and HF's default, Qwen3-MoE, GLM-4-MoE with use_qk_norm, Qwen3-Next's and
   Qwen3.5's full attention), and without q/k norms where the code ropes with HF's rotate_half
-  (Mixtral, GLM-4-MoE without use_qk_norm); no q/k norms and another RoPE -> no family, with the
-  reason (gpt-oss).
+  (Mixtral, GLM-4-MoE without use_qk_norm; GLM-4's GPT-J pairs); no q/k norms and another RoPE ->
+  no family, with the reason (gpt-oss).
 * Qwen3-MoE compiled through the backend with those expectations: the attention's gqa_prologue
   site fuses (its per-head plain-weight q/k norms, full RoPE), and the RoPE rotations are not
   reported as mla_prologue candidates.
@@ -54,8 +54,9 @@ def _families(model) -> dict:
     (lambda: get_adapter("qwen3.5").build_hf(size="tiny", layers=4), "gqa_prologue"),
     (lambda: _hf(dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)), "gqa_prologue"),
     (lambda: _hf(dict(GLM4_MOE, use_qk_norm=False)), "gqa_prologue"),
+    (lambda: _hf(dict(_TINY, model_type="glm4", pad_token_id=0)), "gqa_prologue"),
 ], ids=["deepseek-v3.2", "deepseek-v3", "minimax-m2.5", "minimax-hf-default", "qwen3-moe", "glm4-moe", "qwen3-next",
-        "qwen3.5", "mixtral", "glm4-moe-without-qk-norm"])  # fmt: skip
+        "qwen3.5", "mixtral", "glm4-moe-without-qk-norm", "glm4"])  # fmt: skip
 def test_attention_family_follows_the_math(build, family):
     families = _families(build())
     assert families and set(families.values()) == {family}, families

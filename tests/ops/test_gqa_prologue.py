@@ -1,6 +1,7 @@
 """fusion_compiler::gqa_prologue's reference against the MiniMax-M2.5 serving-engine reference
 attention (full-width norm), against a per-head Gemma composition (Qwen3.5's form), and against
-HF's own RoPE without q/k norms (Mixtral, GLM-4-MoE without use_qk_norm)."""
+HF's own RoPE without q/k norms (Mixtral, GLM-4-MoE without use_qk_norm; GLM-4's interleaved
+GPT-J pairs with ``interleaved_rope``)."""
 
 from __future__ import annotations
 
@@ -284,16 +285,19 @@ def test_checks_read_as_miss_reasons():
         call(q=args["q"].double())
 
 
-@pytest.mark.parametrize("model", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "glm4_moe", "glm4"])
 def test_without_norm_weights_is_hf_s_rope_and_cache_write_bit_for_bit(model):
     """No q/k norms (both weights None): HF's own ``apply_rotary_pos_emb`` on the projections'
-    bf16 rows, full (Mixtral) or over half the head (GLM-4-MoE without use_qk_norm), every product
-    rounded: the op with ``round_rope_products`` is eager's bits, its canonical decomposition too,
-    v's rows are copied, and every other cache row is unchanged. Half the weights is an error."""
+    bf16 rows, full (Mixtral) or over half the head (GLM-4-MoE without use_qk_norm; GLM-4, whose
+    pairs are GPT-J's (2i, 2i + 1): ``interleaved_rope``), every product rounded: the op with
+    ``round_rope_products`` is eager's bits, its canonical decomposition too, v's rows are copied,
+    and every other cache row is unchanged. Half the weights is an error."""
     if model == "mixtral":
         from transformers.models.mixtral import modeling_mixtral as hf
-    else:
+    elif model == "glm4_moe":
         from transformers.models.glm4_moe import modeling_glm4_moe as hf
+    else:
+        from transformers.models.glm4 import modeling_glm4 as hf
     batch, seq, heads, kv_heads, d = 2, 3, 4, 2, 32
     rot = d if model == "mixtral" else d // 2
     gen = torch.Generator().manual_seed(9)
@@ -312,6 +316,7 @@ def test_without_norm_weights_is_hf_s_rope_and_cache_write_bit_for_bit(model):
         "sin": sin.reshape(-1, rot)[:, : rot // 2], "positions": None, "k_cache": k_cache.clone(),
         "v_cache": k_cache.clone(), "slots": (torch.arange(batch)[:, None] * (seq + 2) + torch.arange(seq) + 1).reshape(-1),
         "k_scale": 1.0, "v_scale": 1.0, "cache_heads_first": True, "round_rope_products": True,
+        "interleaved_rope": model == "glm4",
     }  # fmt: skip
     q_out = op.gqa_prologue_reference(**{n: named[n] for n in op.ARG_NAMES})
     assert torch.equal(q_out, q_hf.transpose(1, 2).reshape(tokens, heads, d))
@@ -327,3 +332,20 @@ def test_without_norm_weights_is_hf_s_rope_and_cache_write_bit_for_bit(model):
     assert torch.equal(fake, q_out)  # the registered op (CPU: the reference) takes None weights
     with pytest.raises(ValueError, match="come together"):
         op.gqa_prologue_reference(**{**{n: named[n] for n in op.ARG_NAMES}, "k_norm_weight": torch.ones(d)})
+
+
+def test_interleaved_pairs_are_hf_glm4_s_rope_in_float64():
+    """GPT-J pairs against HF GLM-4's own ``apply_rotary_pos_emb`` in float64 (the math, not the
+    bits: the op computes in fp32), RoPE over 16 of 32 dims; NeoX pairs on the same rows are not
+    it."""
+    from transformers.models.glm4 import modeling_glm4 as hf
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, d, rot = 5, 3, 32, 16
+    x = torch.randn(tokens, heads, d, generator=gen, dtype=torch.float64)
+    freqs = torch.rand(tokens, rot // 2, generator=gen, dtype=torch.float64) * 100
+    emb = torch.cat([freqs, freqs], dim=-1)
+    want, _ = hf.apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), emb.cos(), emb.sin(), unsqueeze_dim=0)
+    got = op._rope(x, freqs.cos(), freqs.sin(), rot, False, interleaved=True)
+    assert relative_error(got, want.transpose(0, 1)) < 1e-7
+    assert relative_error(op._rope(x, freqs.cos(), freqs.sin(), rot, False), want.transpose(0, 1)) > 0.1
