@@ -17,9 +17,11 @@ named. Each variant fixes the rest of the math:
 * ``sigmoid_bias_n_group_1`` and ``sigmoid_bias_n_group_1_unnormalised``: the grouped code with
   ``n_group=1, topk_group=1`` (GLM-4.5; HF glm4_moe's defaults), fused as no grouping. Inductor's
   joint graph has rewritten its group mask, a scatter of one index a row, into a compare with the
-  group numbers (``_one_hot_group_mask``). One group kept of several (``topk_group`` 1 <
-  ``n_group``) is the same compare before a copy: declined, saying so (no model we know routes
-  that way).
+  group numbers (``_one_hot_group_mask``).
+* ``sigmoid_bias_topk_group_1`` and ``sigmoid_bias_topk_group_1_unnormalised``: one group kept of
+  several (``topk_group`` 1 < ``n_group``): the same compare, then a copy of the expanded mask
+  before its reshape; the fused routing's rank-based group selection keeps one group as any
+  number.
 * ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF Qwen3.5,
   and Qwen3-MoE / Qwen3-Next / OLMoE with ``norm_topk_prob=True``).
 * ``softmax_unnormalised``: the same without renormalising (``norm_topk_prob=False``, HF's default
@@ -186,6 +188,17 @@ def _without_groups(route: Callable) -> Callable:
     return _signed(search, [p for p in _params(route) if p.name not in ("n_group", "topk_group")])
 
 
+def _one_group_kept(route: Callable) -> Callable:
+    """``route`` with topk_group 1 of n_group groups (several): Inductor has rewritten its group
+    mask as for n_group 1 (``_one_hot_group_mask``); the expanded mask of several groups is
+    copied before its reshape, which the trace keeps too."""
+
+    def search(logits, bias, top_k, n_group, *rest):
+        return route(logits, bias, top_k, n_group, 1, *rest)
+
+    return _signed(search, [p for p in _params(route) if p.name != "topk_group"])
+
+
 _GROUPED = {"scoring": "sigmoid", "grouped": True}
 _UNNORMALISED = {"renormalise": False}
 _ONE_GROUP = {"n_group": 1, "topk_group": 1}
@@ -196,6 +209,9 @@ ROUTES = (
     ("sigmoid_bias_grouped_unnormalised", sigmoid_bias_grouped_unnormalised, {**_GROUPED, **_UNNORMALISED}),
     ("sigmoid_bias_n_group_1_unnormalised", _without_groups(sigmoid_bias_grouped_unnormalised),
      {**_GROUPED, **_UNNORMALISED, **_ONE_GROUP}),
+    ("sigmoid_bias_topk_group_1", _one_group_kept(sigmoid_bias_grouped), {**_GROUPED, "topk_group": 1}),
+    ("sigmoid_bias_topk_group_1_unnormalised", _one_group_kept(sigmoid_bias_grouped_unnormalised),
+     {**_GROUPED, **_UNNORMALISED, "topk_group": 1}),
     ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
     ("softmax_fp32_weights", softmax_fp32_weights, {"scoring": "softmax", "weights_dtype": torch.float32}),
     ("softmax", softmax, {"scoring": "softmax"}),
@@ -483,24 +499,14 @@ def is_site(node: torch.fx.Node) -> bool:
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    """A router scoring its logits with neither sigmoid nor softmax, or keeping one group of
-    several; otherwise None (the guard's reasons and Inductor's FailedMatch say where a router
-    departs)."""
+    """A router scoring its logits with neither sigmoid nor softmax; otherwise None (the guard's
+    reasons and Inductor's FailedMatch say where a router departs)."""
     scores = _ranked_scores(anchor)
-    if scores is None:
+    if scores is None or _scores_source(scores):
         return None
-    if not _scores_source(scores):
-        function = _function_name(scores, _logits_of(scores))
-        return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
-                        "over the experts")  # fmt: skip
-    masked = anchor.args[0]
-    if getattr(masked, "target", None) is aten.where.self:
-        # Inductor's compare form of a group mask keeping one group (_one_hot_group_mask).
-        iota = upstream(masked.args[0], lambda n: n.target is torch.ops.prims.iota.default, 14)
-        if iota is not None and iota.args[0] != 1:
-            return masked, (f"one of {iota.args[0]} expert groups kept (topk_group 1): Inductor turns that group mask "
-                            "into a compare, which the fused routing's patterns take only with n_group 1")  # fmt: skip
-    return None
+    function = _function_name(scores, _logits_of(scores))
+    return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
+                    "over the experts")  # fmt: skip
 
 
 FAMILY = Family(

@@ -40,6 +40,8 @@ def _float64_routing(logits, bias, top_k, n_group, topk_group, scoring, renormal
 CASES = {
     "deepseek_v3 norm_topk_prob=False": (256, 8, 8, 4, 0, True, False, 0.0, 2.5, torch.float32, torch.float32),
     "glm-4.5 n_group=1": (160, 8, 1, 1, 0, True, True, 1e-20, 2.5, torch.float32, torch.float32),
+    "topk_group=1 of 4": (64, 6, 4, 1, 0, True, True, 1e-20, 2.5, torch.float32, torch.float32),
+    "topk_group=1 of 8 norm_topk_prob=False": (256, 8, 8, 1, 0, True, False, 0.0, 1.0, torch.float32, torch.float32),
     "n_group=1 norm_topk_prob=False scale 1": (64, 6, 1, 1, 0, True, False, 0.0, 1.0, torch.float32, torch.float32),
     "qwen3_moe norm_topk_prob=False": (128, 8, 1, 1, 1, False, False, 0.0, 1.0, torch.bfloat16, torch.bfloat16),
     "mixtral fp32 weights": (8, 2, 1, 1, 1, False, True, 0.0, 1.0, torch.bfloat16, torch.float32),

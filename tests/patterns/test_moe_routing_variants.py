@@ -7,10 +7,12 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
 - ``norm_topk_prob=False`` (HF's default for Qwen3-MoE and OLMoE; an option of Qwen3-Next,
   DeepSeek V3 and GLM-4-MoE): no renormalisation.
 - ``n_group=1`` (GLM-4.5, Kimi K2): DeepSeek's grouped code without groups, whose one-group
-  mask Inductor has rewritten into a compare.
+  mask Inductor has rewritten into a compare; ``topk_group=1`` of 4 groups: the same compare,
+  the mask copied before its reshape.
 - ``routed_scaling_factor`` 1 and 2.5; Mixtral's weights, kept in fp32.
 - Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
-  that are neither sigmoid nor softmax; one group kept of several.
+  that are neither sigmoid nor softmax; one group kept of several, groups scored by their best
+  expert alone.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ CASES = {
                               "sigmoid_bias_grouped_unnormalised+fp32_gemm"),
     "glm4_moe-n_group-1": ("glm4_moe", "Glm4MoeMoE", dict(_GROUPED, n_group=1, topk_group=1),
                            "sigmoid_bias_n_group_1+fp32_gemm"),
+    "deepseek_v3-topk_group-1": ("deepseek_v3", "DeepseekV3MoE", dict(_GROUPED, topk_group=1),
+                                 "sigmoid_bias_topk_group_1+fp32_gemm"),
     "deepseek_v3-n_group-1-no-renorm-scale-1": (
         "deepseek_v3", "DeepseekV3MoE",
         dict(_GROUPED, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
@@ -145,7 +149,9 @@ class NearMiss(torch.nn.Module):
         scores = logits.sigmoid()
         choice = scores + self.bias
         groups = 1 if self.spelling == "biased_weights" else 4
-        group_scores = choice.view(-1, groups, 16 // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        # "group_by_best": one group of 4 kept, groups scored by their best expert, not their best 2.
+        group_top = 1 if self.spelling == "group_by_best" else 2
+        group_scores = choice.view(-1, groups, 16 // groups).topk(group_top, dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(group_scores, k=1, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand(-1, groups, 16 // groups).reshape(-1, 16)
@@ -161,7 +167,10 @@ class NearMiss(torch.nn.Module):
     # The ids feed a gather of the biased choice, outside every pattern.
     ("biased_weights", "is read by gather, output: outside the pattern"),
     ("softplus_scores", "the router scores its logits as softplus(logits); the fused routing takes sigmoid or softmax"),
-    ("one_of_four_groups", "one of 4 expert groups kept"),
+    # One group of 4 kept, each scored by its best expert: the group top-k's k is a wildcard, the
+    # re-trace at the site's literals is not.
+    ("group_by_best", "sigmoid_bias_topk_group_1_unnormalised matches at mul in structure, but Inductor did not "
+                      "take it"),
 ])  # fmt: skip
 def test_near_misses_do_not_match_and_say_why(spelling, reason):
     report, eager, fused = _compile_router(NearMiss(spelling))
