@@ -1,6 +1,7 @@
 """Gated DeltaNet decode step (conv update + SiLU, l2norm, gates, delta-rule state update, gated
 RMSNorm): one Triton kernel and its launcher. Semantics: ``fusion_compiler.ops.gdn_decode`` (its
-reference must match, rounding point for rounding point).
+reference must match, rounding point for rounding point); with ``vllm_math``, vLLM's decode path
+on vLLM's state layout (``ops/gdn_decode_vllm.py``; ``gdn_decode_fwd`` lists the differences).
 
 Design. Traffic is the recurrent state: Hv x Dk x Dv fp32 per sequence (Qwen3.5: 64 x 128 x 128
 = 4 MiB), read once and written once; everything else is ~0.2 MiB. Bytes moved per sequence at
@@ -73,7 +74,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-8"
+KERNEL_VERSION = "gdn_decode-9"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -84,11 +85,15 @@ def _silu(x):
 
 
 @triton.jit
-def _softplus(x):
-    """torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x))."""
+def _softplus(x, VLLM: tl.constexpr):
+    """torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)); VLLM: the packed
+    decode kernel's ``log(1 + exp(x))``."""
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.math.div_rn(tl.log(u) * e, u - 1.0))
+    if VLLM:
+        log1p = tl.log(u)
+    else:
+        log1p = tl.where(u == 1.0, e, tl.math.div_rn(tl.log(u) * e, u - 1.0))
     return tl.where(x > 20.0, x, log1p)
 
 
@@ -96,16 +101,17 @@ def _softplus(x):
 def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
                    C_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                    W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr,
-                   TAPS: tl.constexpr):
+                   TAPS: tl.constexpr, VLLM: tl.constexpr):
     """Conv + SiLU of channels [chan0, chan0 + count) of one sequence: returns (the activations
     in fp32, rounded to ACT_DTYPE, [C_PAD]; the shifted conv-state window in fp32 [C_PAD, W_PAD],
     or with TAPS its W columns as a tuple of [C_PAD] vectors). ``STATE`` points at the sequence's
-    conv-state slot. Loads only; the caller stores (``_store_window``, the same TAPS)."""
+    conv-state slot. Loads only; the caller stores (``_store_window``, the same TAPS). VLLM:
+    causal_conv1d_update's roundings (``_conv_act``)."""
     c = tl.arange(0, C_PAD)
     cmask = (c < count) & live
     if TAPS:  # (an early return would not do: the compiler unifies every return's type)
         act, window = _conv_taps(X_ROW, STATE, W_PTR, chan0 + c, cmask, stride_cs_c, stride_cs_w, stride_w_c,
-                                 stride_w_k, K, W, CONV_DTYPE, ACT_DTYPE)
+                                 stride_w_k, K, W, CONV_DTYPE, ACT_DTYPE, VLLM)
     else:
         chan = (chan0 + c)[:, None]
         x = round_trip(upcast(tl.load(X_ROW + chan0 + c, mask=cmask, other=0.0)), CONV_DTYPE)
@@ -115,8 +121,7 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_
                        mask=cmask[:, None] & (i < K - 1), other=0.0)
         taps = tl.where(i == K - 1, x[:, None], round_trip(upcast(taps), CONV_DTYPE))
         w = upcast(tl.load(W_PTR + chan * stride_w_c + i * stride_w_k, mask=cmask[:, None] & (i < K), other=0.0))
-        conv = round_trip(tl.sum(taps * w, axis=1), CONV_DTYPE)
-        act = round_trip(round_trip(_silu(conv), CONV_DTYPE), ACT_DTYPE)
+        act = _conv_act(tl.sum(taps * w, axis=1), CONV_DTYPE, ACT_DTYPE, VLLM)
         # New window: column j takes old column j + 1, the last one the new column.
         j = tl.arange(0, W_PAD)[None, :]
         shifted = tl.load(STATE + chan * stride_cs_c + (j + 1) * stride_cs_w,
@@ -126,8 +131,20 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_
 
 
 @triton.jit
+def _conv_act(conv, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr, VLLM: tl.constexpr):
+    """SiLU of the fp32 conv sum: HF rounds the sum and the SiLU to the weight's dtype, then to
+    the activation dtype; vLLM's causal_conv1d_update rounds once, at its store."""
+    if VLLM:
+        act = round_trip(_silu(conv), ACT_DTYPE)
+    else:
+        act = round_trip(round_trip(_silu(round_trip(conv, CONV_DTYPE)), CONV_DTYPE), ACT_DTYPE)
+    return act
+
+
+@triton.jit
 def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, stride_w_c, stride_w_k,
-               K: tl.constexpr, W: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr):
+               K: tl.constexpr, W: tl.constexpr, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr,
+               VLLM: tl.constexpr):
     """_conv_channels for K == W == 4 as per-tap [C] vectors, not a [C, K_PAD] tile. In sm_90
     SASS the tile is reshuffled through shared memory between the x load and the taps' load, and
     ptxas moves no load above that bar.sync, so every conv costs two dependent round trips more;
@@ -145,8 +162,7 @@ def _conv_taps(X_ROW, STATE, W_PTR, chan, cmask, stride_cs_c, stride_cs_w, strid
     w1 = upcast(tl.load(w + stride_w_k, mask=cmask, other=0.0))
     w2 = upcast(tl.load(w + 2 * stride_w_k, mask=cmask, other=0.0))
     w3 = upcast(tl.load(w + 3 * stride_w_k, mask=cmask, other=0.0))
-    conv = round_trip((t1 * w0 + t3 * w2) + (t2 * w1 + x * w3), CONV_DTYPE)  # the tile's tl.sum pairing
-    act = round_trip(round_trip(_silu(conv), CONV_DTYPE), ACT_DTYPE)
+    act = _conv_act((t1 * w0 + t3 * w2) + (t2 * w1 + x * w3), CONV_DTYPE, ACT_DTYPE, VLLM)  # tl.sum's pairing
     return act, (t1, t2, t3, x)  # the new window: old columns 1..3, then the new column
 
 
@@ -170,13 +186,14 @@ def _store_window(STATE, window, chan0, count, mask, stride_cs_c, stride_cs_w,
 def _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, valid, stride_cs_c, stride_cs_w, stride_w_c,
                  stride_w_k, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
                  K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr,
-                 ACT: tl.constexpr, TAPS: tl.constexpr):
+                 ACT: tl.constexpr, TAPS: tl.constexpr, VLLM: tl.constexpr, stride_rs_v):
     """One block's loads: the state columns [v0, v0 + BV) of the head [DK_PAD, BV], and the
     conv + SiLU of the same v channels (activations, shifted window). All masked off unless valid."""
     vv = v0 + tl.arange(0, BV)[None, :]
-    state = tl.load(s_row + vv, mask=(kk < DK) & (vv < DV) & valid, other=0.0)
+    state = tl.load(s_row + vv * stride_rs_v, mask=(kk < DK) & (vv < DV) & valid, other=0.0)
     v, v_win = _conv_channels(x_row, cs, CONV_W, v_chan_base + v0, tl.minimum(DV - v0, BV), valid, stride_cs_c,
-                              stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, TAPS)
+                              stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, TAPS,
+                              VLLM)
     return state, v, v_win
 
 
@@ -206,14 +223,20 @@ def _update_block(state, v, k, q, decay, beta, ACT: tl.constexpr):
 
 
 @triton.jit
-def _l2norm(x, eps):
+def _l2norm(x, eps, VLLM: tl.constexpr):
+    if VLLM:  # the packed decode kernel's form
+        return x / tl.sqrt(tl.sum(x * x, axis=0) + eps)
     return x * tl.math.rsqrt(tl.sum(x * x, axis=0) + eps)
 
 
 @triton.jit
-def _gated_norm(o, z, norm_w, eps, DV: tl.constexpr, ACT: tl.constexpr, NORM_DTYPE: tl.constexpr):
-    """rms-normalised rows of o [rows, DV_PAD] times norm_w, times silu(z), in HF's roundings."""
+def _gated_norm(o, z, norm_w, eps, DV: tl.constexpr, ACT: tl.constexpr, NORM_DTYPE: tl.constexpr,
+                VLLM: tl.constexpr):
+    """rms-normalised rows of o [rows, DV_PAD] times norm_w, times silu(z), in HF's roundings
+    (VLLM: all in fp32, as RMSNormGated.forward_native)."""
     rstd = tl.math.rsqrt(mean_from_sum(tl.sum(o * o, axis=1), DV) + eps)[:, None]
+    if VLLM:
+        return o * rstd * norm_w * _silu(z)
     normed = round_trip(o * rstd, ACT)
     return round_trip(norm_w * normed, NORM_DTYPE) * _silu(z)
 
@@ -222,20 +245,21 @@ def _gated_norm(o, z, norm_w, eps, DV: tl.constexpr, ACT: tl.constexpr, NORM_DTY
 def _gdn_decode_kernel(
     MIXED, Z, B, A, CONV_W, A_LOG, DT_BIAS, NORM_W, CONV_STATE, REC_STATE, SLOTS, OUT, COUNTERS,
     stride_x, stride_z, stride_b, stride_a, stride_o, stride_w_c, stride_w_k,
-    stride_cs_s, stride_cs_c, stride_cs_w, stride_rs_s, stride_rs_h, stride_rs_k,
-    key_heads, eps, qk_eps, sqrt_dk,
+    stride_cs_s, stride_cs_c, stride_cs_w, stride_rs_s, stride_rs_h, stride_rs_k, stride_rs_v,
+    key_heads, eps, qk_eps, sqrt_dk, rows, min_slot,
     RATIO: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     BV: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
     ACT: tl.constexpr, CONV_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
     CONV_TAPS: tl.constexpr = False,  # the conv as per-tap vectors (_conv_taps; K == W == 4)
+    VLLM: tl.constexpr = False,  # vLLM's arithmetic (gdn_decode_fwd's vllm_math)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     part = tl.program_id(2)  # which of the head's SPLIT programs: value columns [part * CHUNKS * BV, ...)
     kh = h // RATIO
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    live = slot >= 0
+    slot = tl.load(SLOTS + t, mask=t < rows, other=-1).to(tl.int64)
+    live = (slot >= min_slot) & (t < rows)
     slot = tl.maximum(slot, 0)
     kk = tl.arange(0, DK_PAD)[:, None]
     s_row = REC_STATE + slot * stride_rs_s + h * stride_rs_h + kk * stride_rs_k
@@ -254,7 +278,7 @@ def _gdn_decode_kernel(
     v_chan_base = 2 * key_width + h * DV  # this head's v channels along conv_dim
     v0 = part * CHUNKS * BV
     state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live, stride_cs_c, stride_cs_w,
-                                   stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
+                                   stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS, VLLM, stride_rs_v)
     z = upcast(tl.load(Z + t * stride_z + norm_heads * DV + d, mask=dmask & live, other=0.0))
     norm_w = upcast(tl.load(NORM_W + d, mask=dmask, other=0.0))
     b = upcast(tl.load(B + t * stride_b + h, mask=live, other=0.0))
@@ -265,15 +289,20 @@ def _gdn_decode_kernel(
     # q and k of this program's key head: conv ([q | k | v] along conv_dim), l2norm, q's scale.
     # Their shifted windows are stored at the end, by the key head's last program.
     q, q_win = _conv_channels(x_row, cs, CONV_W, kh * DK, DK, live, stride_cs_c, stride_cs_w, stride_w_c,
-                              stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
+                              stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS, VLLM)
     k, k_win = _conv_channels(x_row, cs, CONV_W, key_width + kh * DK, DK, live, stride_cs_c, stride_cs_w,
-                              stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
-    q = tl.math.div_rn(_l2norm(q, qk_eps), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
-    k = _l2norm(k, qk_eps)
+                              stride_w_c, stride_w_k, DK_PAD, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS, VLLM)
+    if VLLM:  # q times dk ** -0.5, which sqrt_dk then holds
+        q = _l2norm(q, qk_eps, VLLM) * sqrt_dk
+    else:
+        q = tl.math.div_rn(_l2norm(q, qk_eps, VLLM), tl.full(q.shape, 0.0, tl.float32) + sqrt_dk)
+    k = _l2norm(k, qk_eps, VLLM)
 
-    # Gates: beta rounded to b's dtype (HF's b.sigmoid()), g in fp32.
-    beta = round_trip(tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b)), B.dtype.element_ty)
-    decay = tl.exp(-tl.exp(a_log) * _softplus(a + dt_bias))
+    # Gates: beta rounded to b's dtype (HF's b.sigmoid(); vLLM keeps fp32), g in fp32.
+    beta = tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b))
+    if not VLLM:
+        beta = round_trip(beta, B.dtype.element_ty)
+    decay = tl.exp(-tl.exp(a_log) * _softplus(a + dt_bias, VLLM))
 
     # Value columns in CHUNKS blocks of BV; each block's loads are issued before the gates'
     # math (the first) or right after the previous block's stores. Columns are independent in
@@ -294,7 +323,7 @@ def _gdn_decode_kernel(
         for c in range(0, CHUNKS):
             vv = v0 + tl.arange(0, BV)
             state, o = _update_block(state, v, k, q, decay, beta, ACT)
-            tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+            tl.store(s_row + vv[None, :] * stride_rs_v, state, mask=(kk < DK) & (vv[None, :] < DV) & live)
             tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
             _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w,
                           BV, W, W_PAD, CONV_TAPS)
@@ -303,7 +332,7 @@ def _gdn_decode_kernel(
             v0 = v0 + BV
             state, v, v_win = _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, live & (c + 1 < CHUNKS),
                                            stride_cs_c, stride_cs_w, stride_w_c, stride_w_k, DK, DV, BV, K, K_PAD,
-                                           W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS)
+                                           W, W_PAD, CONV_DTYPE, ACT, CONV_TAPS, VLLM, stride_rs_v)
 
     # Gated RMSNorm over each head's DV values, and the key head's q/k conv windows. The RATIO *
     # SPLIT programs of a key head all read its q/k windows, so one of them, the last to arrive on
@@ -315,23 +344,23 @@ def _gdn_decode_kernel(
     readers: tl.constexpr = RATIO * SPLIT
     out_rows = OUT + t * stride_o + norm_heads * DV + d
     if CHUNKS * SPLIT == 1:  # BV == DV_PAD
-        y = _gated_norm(o[None, :], z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        y = _gated_norm(o[None, :], z, norm_w, eps, DV, ACT, NORM_DTYPE, VLLM)
         tl.store(out_rows, downcast(tl.where(live, y, 0.0), OUT.dtype.element_ty), mask=dmask)
         tl.debug_barrier()
         writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
     elif SPLIT == 1:
         tl.debug_barrier()
         o = upcast(tl.load(out_rows, mask=dmask & live, other=0.0, cache_modifier=".cg"))
-        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE, VLLM)
         tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & live)  # padding rows: zeros stored
         writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
     else:
         tl.debug_barrier()
         writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
         if one_block_of_split_row:
-            tl.store(s_row + vv[None, :], state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+            tl.store(s_row + vv[None, :] * stride_rs_v, state, mask=(kk < DK) & (vv[None, :] < DV) & live)
         o = upcast(tl.load(out_rows, mask=dmask & writer, other=0.0, cache_modifier=".cg"))
-        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE)
+        y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE, VLLM)
         tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & writer)  # padding rows: zeros stored
     _store_window(cs, q_win, kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD, CONV_TAPS)
     _store_window(cs, k_win, key_width + kh * DK, DK, writer, stride_cs_c, stride_cs_w, DK_PAD, W, W_PAD, CONV_TAPS)
@@ -401,12 +430,21 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_l2norm_eps, conv_state,
-                   recurrent_state, state_slots, out, counters=None, tiling_override=None) -> None:  # fmt: skip
+                   recurrent_state, state_slots, out, counters=None, tiling_override=None, rows=None, min_slot=0,
+                   vllm_math=False) -> None:  # fmt: skip
     """Launch the kernel: writes ``out`` [T, Hv * Dv] and both states in place. Arguments as the
     op's (validated there); mixed_qkv, z, b, a need unit stride along their width, the weights
-    unit stride, recurrent_state unit stride along Dv. ``counters`` (int32, >= T * key_heads, all
-    zero; left zero) defaults to a per-device buffer. ``tiling_override``
-    (a ``Tiling``) replaces ``tiling``'s choice. No host syncs."""
+    unit stride; both states take any strides (vLLM's SSM state is [slot, Hv, Dv, Dk], Dk
+    innermost: pass it as ``.transpose(-1, -2)``). ``counters`` (int32, >= T * key_heads, all
+    zero; left zero) defaults to a per-device buffer. ``tiling_override`` (a ``Tiling``)
+    replaces ``tiling``'s choice. No host syncs.
+
+    vLLM's contract (ops/gdn_decode_vllm.py): only the first ``rows`` rows (default T) are live
+    and read ``state_slots``; a slot below ``min_slot`` (default 0; vLLM's NULL_BLOCK_ID 0 needs
+    1) is padding. ``vllm_math``: vLLM's arithmetic (causal_conv1d_update, the packed decode
+    kernel, RMSNormGated.forward_native): the conv rounded once after SiLU, beta in fp32, l2norm
+    as ``x / sqrt(sum + eps)`` and q times ``Dk ** -0.5``, softplus as ``log(1 + exp(x))``, the
+    gated norm in fp32."""
     tokens = mixed_qkv.shape[0]
     if tokens == 0:
         return
@@ -414,8 +452,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
     conv_dim, width = conv_state.shape[1], conv_state.shape[2]
     kernel = conv_weight.shape[-1]
     key_heads = (conv_dim - value_heads * value_dim) // (2 * key_dim)
-    for name, t in (("mixed_qkv", mixed_qkv), ("z", z), ("b", b), ("a", a), ("recurrent_state", recurrent_state),
-                    ("out", out)):  # fmt: skip
+    for name, t in (("mixed_qkv", mixed_qkv), ("z", z), ("b", b), ("a", a), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs unit stride on its last dim, got {t.stride()}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
@@ -441,14 +478,15 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             mixed_qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), out.stride(0),
             conv_weight.stride(0), conv_weight.stride(-1),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
-            key_heads, float(eps), float(qk_l2norm_eps), float(key_dim**0.5),
+            recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2), recurrent_state.stride(3),
+            key_heads, float(eps), float(qk_l2norm_eps), float(key_dim**-0.5 if vllm_math else key_dim**0.5),
+            tokens if rows is None else rows, min_slot,
             RATIO=value_heads // key_heads, DK=key_dim, DK_PAD=triton.next_power_of_2(key_dim),
             DV=value_dim, DV_PAD=triton.next_power_of_2(value_dim), BV=tile.block_v, CHUNKS=tile.chunks,
             SPLIT=tile.split,
             K=kernel, K_PAD=triton.next_power_of_2(kernel), W=width, W_PAD=triton.next_power_of_2(width),
             ACT=_TL_DTYPES[mixed_qkv.dtype], CONV_DTYPE=_TL_DTYPES[conv_weight.dtype], NORM_DTYPE=norm_dtype,
-            CONV_TAPS=bool(tile.conv_taps and kernel == width == 4), num_warps=tile.num_warps,
+            CONV_TAPS=bool(tile.conv_taps and kernel == width == 4), VLLM=vllm_math, num_warps=tile.num_warps,
         )
 
     launch_on_device(mixed_qkv, _launch)
