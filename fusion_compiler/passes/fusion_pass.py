@@ -93,6 +93,8 @@ class FusionPass(_compat.CustomGraphPass):
     def _run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
         anchors = [(n, module_path(n)) for n in graph.nodes if n in model_nodes and family.is_site(n)]
         recorder = run_family(family, lowering, graph)
+        if recorder.accepted:  # a replacement can land before a node it reads: sort for the next family
+            _compat.stable_topological_sort(graph)
         sites = []
         for anchor, module in anchors:
             if getattr(anchor, "_erased", False):
