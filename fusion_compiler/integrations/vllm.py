@@ -48,7 +48,7 @@ from ..config import FusionConfig
 from ..ops.launches import cuda_launches
 from ..passes.fusion_pass import FusionPass, pass_uuid
 from ..passes.report import GraphReport, MatchReport
-from ..patterns import vllm_ir, vllm_rope
+from ..patterns import vllm_gdn, vllm_ir, vllm_rope
 from ..patterns.registry import Family, Variant, source_text
 from ..patterns.site import Site
 
@@ -57,6 +57,11 @@ log = logging.getLogger("fusion_compiler")
 SLOT = "post_grad_custom_post_pass"
 # vLLM's spellings, each run before the core family of its name.
 VLLM_FAMILIES = (vllm_ir.FAMILY, vllm_rope.FAMILY)
+# vLLM's GDN core + gated norm, rewritten by hand before the core gdn family (patterns/vllm_gdn.py).
+GDN_CORE = "vllm::qwen_gdn_attention_core"
+# Our ops that partition vLLM's graph wherever the vLLM op they replace does: their non-decode
+# path calls it (ops/gdn_decode_vllm.py), so they must stay out of piecewise CUDA graphs as it does.
+PARTITION_LIKE = {"fusion_compiler::gdn_decode_vllm": GDN_CORE}
 ENABLE_ENV = "FUSION_COMPILER_VLLM"
 OPTIONS_ENV = "FUSION_COMPILER_VLLM_OPTIONS"
 
@@ -168,7 +173,12 @@ class VllmFusionPass(FusionPass, InductorPass):
         return (*ours, *core)
 
     def _run(self, family: Family, lowering: str, graph: torch.fx.Graph, model_nodes: set) -> list[Site]:
-        sites = self._never_worse_run(family, lowering, graph, model_nodes)
+        sites = []
+        if family.name == vllm_gdn.FAMILY and lowering == "triton":
+            sites = vllm_gdn.run(graph, model_nodes, split_layers=gdn_split_layers())
+            if any(s.status == "matched" for s in sites):
+                partition_like_replaced_ops()
+        sites += self._never_worse_run(family, lowering, graph, model_nodes)
         # A node an earlier family (or spelling) left to Inductor as its site's anchor is no miss
         # of this one: the gated norm's rsqrt, say, is also a plain norm's anchor.
         sites = [s for s in sites if s.status != "missed" or s.anchor not in self._left_anchors]
@@ -219,6 +229,30 @@ class VllmFusionPass(FusionPass, InductorPass):
             "integration": inspect.getsource(sys.modules[__name__]),
             "vllm": vllm.__version__,
         })  # fmt: skip
+
+
+def gdn_split_layers() -> tuple[str, ...]:
+    """The model's GDN layers when vLLM splits its FX graph at their core, so no graph of ours
+    holds the core and its gated norm together (they fuse with ``use_inductor_graph_partition``)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    compilation = get_current_vllm_config().compilation_config
+    if compilation.use_inductor_graph_partition or GDN_CORE not in (compilation.splitting_ops or ()):
+        return ()
+    layers = compilation.static_forward_context.items()
+    return tuple(name for name, layer in layers if isinstance(layer, QwenGatedDeltaNetAttention))
+
+
+def partition_like_replaced_ops() -> None:
+    """Make `PARTITION_LIKE`'s ops Inductor partition points wherever the op each replaces is
+    one. With ``use_inductor_graph_partition`` vLLM hands Inductor its splitting ops for the
+    compile (`inductor_partition_rule_context`), which partitions after our pass, at codegen;
+    the list is vLLM's to restore afterwards."""
+    ops = list(torch._inductor.config.custom_should_partition_ops or ())
+    ours = [op for op, theirs in PARTITION_LIKE.items() if theirs in ops and op not in ops]
+    if ours:
+        torch._inductor.config.custom_should_partition_ops = ops + ours
 
 
 def pass_from_env() -> VllmFusionPass:

@@ -42,6 +42,9 @@ CUDA_LAUNCHES: Mapping[str, int | None] = MappingProxyType({
     "dsa_topk_mask": 2,
     # kernels/gdn_decode.py: one _gdn_decode_kernel (conv, recurrence, gated norm, both states).
     "gdn_decode": 1,
+    # The same kernel inside vLLM (ops/gdn_decode_vllm.py), for a batch of decode tokens alone;
+    # any other batch runs vLLM's own op, then the gated norm in torch (not a decode step).
+    "gdn_decode_vllm": 1,
     # kernels/gdn_fla.py: fla-core's kernels plus gathers, scatters and casts in eager torch.
     "gdn_decode_fla": None,
     # kernels/skinny_gemm.py: one launch up to its MAX_TOKENS rows; torch.mm (cuBLAS) above.
