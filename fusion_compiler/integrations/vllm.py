@@ -6,24 +6,30 @@ vLLM takes exactly one user pass: an `InductorPass` in
 vLLM's own fusions and before vLLM lowers its IR ops, cleans up and defunctionalises. Three
 ways to fill the slot:
 
-- Python: ``CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass":
-  VllmFusionPass(FusionConfig(...))})``.
-- CLI: ``--compilation-config '{"inductor_passes": {"post_grad_custom_post_pass":
-  "fusion_compiler.vllm_pass"}}'``. vLLM resolves the string as
+- Python: ``CompilationConfig(use_inductor_graph_partition=True, inductor_compile_config=
+  {"post_grad_custom_post_pass": VllmFusionPass(FusionConfig(...))})``.
+- CLI: ``--compilation-config '{"use_inductor_graph_partition": true, "inductor_passes":
+  {"post_grad_custom_post_pass": "fusion_compiler.vllm_pass"}}'``. vLLM resolves the string as
   ``__import__("fusion_compiler").__dict__["vllm_pass"]``, so the pass must be an attribute of
   the top-level package: the package sets it when vLLM is already loaded, and this module sets
   it on import. Its config comes from ``FUSION_COMPILER_VLLM_OPTIONS`` (FusionConfig fields as
   JSON), read once, at import.
 - The ``vllm.general_plugins`` entry point `register`: with ``FUSION_COMPILER_VLLM=1`` every
   VllmConfig built afterwards gets `vllm_pass` in the slot (unless it already holds one of
-  ours); unset or ``0``, it changes nothing.
+  ours) and graph partition (`use_graph_partition`); unset or ``0``, it changes nothing.
+
+Graph partition keeps vLLM's K/V cache update in the graph our pass sees (else a splitting op):
+the K/V prologue (patterns/vllm_gqa_prologue.py) needs it, and without it reports each attention
+layer as a miss saying so.
 
 Never worse than stock: inside vLLM, a family replaces a site only where our op launches fewer
 kernels on CUDA than Inductor emits for the same nodes (`never_worse`). vLLM lowers its
 norms and RoPE to plain torch that Inductor fuses with their neighbours (q-norm, k-norm, RoPE
 and the cos/sin gather in one kernel); our norm and RoPE ops would each launch one of their own.
 So those sites stay with Inductor, and the report lists each with its reason (status
-`LEFT`). A family named in ``FusionConfig.families`` runs as asked, everywhere.
+`LEFT`). With vLLM's K/V cache update absorbed (patterns/vllm_gqa_prologue.py), norms + RoPE +
+the cache write are our one launch against Inductor's kernel plus vLLM's cache kernel: kept. A
+family named in ``FusionConfig.families`` runs as asked, everywhere.
 
 This module imports vLLM; the package itself imports it only when vLLM is already loaded.
 """
@@ -49,6 +55,8 @@ from ..ops.launches import cuda_launches
 from ..passes.fusion_pass import FusionPass, pass_uuid
 from ..passes.report import GraphReport, MatchReport
 from ..patterns import vllm_gdn, vllm_ir, vllm_rope
+from ..ops import gqa_prologue_vllm
+from ..patterns import vllm_gqa_prologue
 from ..patterns.registry import Family, Variant, source_text
 from ..patterns.site import Site
 
@@ -56,7 +64,7 @@ log = logging.getLogger("fusion_compiler")
 
 SLOT = "post_grad_custom_post_pass"
 # vLLM's spellings, each run before the core family of its name.
-VLLM_FAMILIES = (vllm_ir.FAMILY, vllm_rope.FAMILY)
+VLLM_FAMILIES = (vllm_ir.FAMILY, vllm_rope.FAMILY, vllm_gqa_prologue.FAMILY)
 # vLLM's GDN core + gated norm, rewritten by hand before the core gdn family (patterns/vllm_gdn.py).
 GDN_CORE = "vllm::qwen_gdn_attention_core"
 # Our ops that partition vLLM's graph wherever the vLLM op they replace does: their non-decode
@@ -152,9 +160,10 @@ class VllmMatchReport(MatchReport):
 
 class VllmFusionPass(FusionPass, InductorPass):
     """`FusionPass` as a vLLM `InductorPass`, matching vLLM's own spellings (patterns/vllm_ir.py,
-    patterns/vllm_rope.py) before the core variants, and leaving to Inductor what it lowers in
-    as few kernels (`never_worse`). Its report (``.report``, a `VllmMatchReport`) marks each
-    graph with the vLLM version and compile range it was compiled for."""
+    patterns/vllm_rope.py, patterns/vllm_gqa_prologue.py) before the core variants, and leaving
+    to Inductor what it lowers in as few kernels (`never_worse`). Its report (``.report``, a
+    `VllmMatchReport`) marks each graph with the vLLM version and compile range it was compiled
+    for."""
 
     def __init__(self, config: FusionConfig | None = None, report: MatchReport | None = None):
         super().__init__(config, report if report is not None else VllmMatchReport())
@@ -166,6 +175,17 @@ class VllmFusionPass(FusionPass, InductorPass):
         if rewritten:
             log.info("fusion_compiler: %d in-place vLLM IR norm call(s) made functional", rewritten)
         super().__call__(graph)
+        self._report_kv_update_split()
+
+    def _report_kv_update_split(self) -> None:
+        """With vLLM's FX split at its K/V cache update no graph holds a K/V prologue site: each
+        attention layer of the config is reported once as a miss, saying so."""
+        if not kv_update_split() or any(s.anchor == gqa_prologue_vllm.KV_UPDATE for s in self.report.sites):
+            return
+        for name in attention_layers():
+            self.report.graphs[-1].sites.append(
+                Site("gqa_prologue", "missed", None, name, gqa_prologue_vllm.KV_UPDATE, KV_SPLIT_REASON)
+            )
 
     def families_for(self, name: str) -> tuple[Family, ...]:
         core = super().families_for(name)
@@ -255,6 +275,45 @@ def partition_like_replaced_ops() -> None:
         torch._inductor.config.custom_should_partition_ops = ops + ours
 
 
+KV_SPLIT_REASON = (
+    "vllm::unified_kv_cache_update is a splitting op (vLLM splits its graph there unless "
+    "use_inductor_graph_partition is set), so no graph holds the K/V prologue: set "
+    "use_inductor_graph_partition=True, or leave the update out of splitting_ops"
+)
+
+
+def kv_update_split() -> bool:
+    """Whether vLLM splits its FX graph at its K/V cache update (no graph of ours holds it)."""
+    from vllm.config import get_current_vllm_config
+
+    compilation = get_current_vllm_config().compilation_config
+    return not compilation.use_inductor_graph_partition and gqa_prologue_vllm.KV_UPDATE in (compilation.splitting_ops or ())
+
+
+def attention_layers() -> list[str]:
+    """The names of the config's attention layers (vLLM's static forward context)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = get_current_vllm_config().compilation_config.static_forward_context.items()
+    return [name for name, layer in layers if isinstance(layer, Attention)]
+
+
+def use_graph_partition(compilation) -> None:
+    """Turn ``use_inductor_graph_partition`` on where the user left it unset (vLLM's -O levels
+    leave a set value alone). vLLM then partitions at codegen, after our pass, instead of splitting
+    its FX graph before it: one graph holds the K/V cache update beside the q/k norms and RoPE (and
+    the GDN core beside its gated norm). The CUDA-graph mode stays as configured; piecewise graphs
+    become Inductor's partitions, split at attention, with the cache update captured inside them.
+    At -O2 vLLM also turns on its MLA RoPE + cache fusion (``fuse_rope_kvcache_cat_mla``)."""
+    if compilation.use_inductor_graph_partition is None:
+        compilation.use_inductor_graph_partition = True
+        log.info("fusion_compiler: use_inductor_graph_partition=True (the K/V prologue needs vLLM's cache update in "
+                 "the graph); CUDA-graph mode unchanged, piecewise graphs are Inductor's partitions")  # fmt: skip
+    elif not compilation.use_inductor_graph_partition:
+        log.info("fusion_compiler: use_inductor_graph_partition=False as configured: %s", KV_SPLIT_REASON)
+
+
 def pass_from_env() -> VllmFusionPass:
     """The pass the CLI string and the plugin install: default config, or the FusionConfig
     fields in ``FUSION_COMPILER_VLLM_OPTIONS`` (JSON)."""
@@ -285,7 +344,8 @@ def register() -> None:
 
 
 def install() -> None:
-    """Fill the pass slot of every VllmConfig built from now on in this process. It happens at
+    """Fill the pass slot of every VllmConfig built from now on in this process, and turn graph
+    partition on where the user left it unset (`use_graph_partition`). It happens at
     the config's construction because vLLM hashes the config (the pass's uuid included) into its
     compile-cache key before its backend reads the slot."""
     from vllm.config import VllmConfig
@@ -297,6 +357,7 @@ def install() -> None:
     @functools.wraps(post_init)
     def __post_init__(self) -> None:
         fill_slot(self.compilation_config.inductor_compile_config)
+        use_graph_partition(self.compilation_config)
         post_init(self)
 
     __post_init__._fills_fusion_compiler_slot = True

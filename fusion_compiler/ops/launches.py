@@ -24,6 +24,8 @@ CUDA_LAUNCHES: Mapping[str, int | None] = MappingProxyType({
     # kernels/gqa_prologue.py: one _gqa_prologue_kernel (norms, RoPE, both cache writes).
     "gqa_prologue": 1,
     "gqa_prologue_variance": 1,  # one _variance_kernel (q's and k's rows)
+    # ops/gqa_prologue_vllm.py: gqa_prologue on vLLM's cache views (a padded batch: a cat more).
+    "gqa_prologue_vllm": 1,
     # kernels/mla_{kv,q}_prologue.py: one kernel per call, every role present in it.
     "mla_kv_prologue": 1,
     "mla_q_prologue": 1,

@@ -331,8 +331,12 @@ from vllm.config.utils import Range
 from vllm_fixtures import SLOT, compile_with_vllm_backend, vllm_config
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+# The plugin's graph partition turns on vLLM's MLA RoPE + cache fusion at -O2, whose pass needs
+# vLLM's CUDA extension: off here.
+NO_MLA_FUSION = {"pass_config": {"fuse_rope_kvcache_cat_mla": False}}
+
 def state():
-    config = vllm_config()
+    config = vllm_config(**NO_MLA_FUSION)
     from vllm.compilation.backends import VllmBackend
     from vllm.config import set_current_vllm_config
     with set_current_vllm_config(config), pass_context(Range(1, 8)):
@@ -340,7 +344,8 @@ def state():
         backend.configure_post_pass()
         return {"slot": type(config.compilation_config.inductor_compile_config.get(SLOT)).__qualname__,
                 "passes": [type(p).__qualname__ for p in backend.pass_manager.passes],
-                "manager_uuid": backend.pass_manager.uuid(), "config_hash": config.compute_hash()}
+                "manager_uuid": backend.pass_manager.uuid(), "config_hash": config.compute_hash(),
+                "partition": config.compilation_config.use_inductor_graph_partition}
 
 before = state()
 post_init = VllmConfig.__post_init__
@@ -356,7 +361,7 @@ if os.environ.get("FUSION_COMPILER_VLLM") == "1":
         def forward(self, x, r):
             return self.norm(x, r)
     inputs = [torch.randn(3, 64, dtype=torch.bfloat16) for _ in range(2)]
-    compile_with_vllm_backend(vllm_config(), Layer, inputs)
+    compile_with_vllm_backend(vllm_config(**NO_MLA_FUSION), Layer, inputs)
     out["fused"] = fusion_compiler.vllm_pass.report.per_variant()
 print(json.dumps(out))
 """
@@ -389,6 +394,7 @@ def test_plugin_enabled_installs_the_pass_in_every_new_config():
     assert out["after"]["passes"][-1] == "VllmFusionPass"
     assert out["after"]["manager_uuid"] != out["before"]["manager_uuid"]
     assert out["after"]["config_hash"] != out["before"]["config_hash"]  # vLLM's cache key sees the pass
+    assert (out["before"]["partition"], out["after"]["partition"]) == (False, True)  # the K/V prologue's graph
     assert out["fused"] == {"vllm_ir.fused_add_rms_norm": 1}
 
 
