@@ -144,6 +144,26 @@ def gdn_launch(tokens: int, conv_tile: bool) -> _Recorder:
                            lambda: K.gdn_decode_fwd(*args, out, counters=counters, tiling_override=tile))
 
 
+def gdn_vllm_launch(tokens: int) -> _Recorder:
+    """gdn_decode on vLLM 0.33's path (ops/gdn_decode_vllm.py) at Qwen3.5's dims: the SSM state
+    [slot, Hv, Dv, Dk] and conv state [slot, K - 1, conv_dim] passed as their transposes, one padded
+    row past the batch, slot 0 as padding, vLLM's arithmetic."""
+    from fusion_compiler.kernels import gdn_decode as K
+
+    hk, hv, d, kernel = 16, 64, 128, 4
+    conv_dim, bf16 = 2 * hk * d + hv * d, torch.bfloat16
+    ssm = torch.randn(tokens + 2, hv, d, d).transpose(-1, -2)
+    conv = torch.randn(tokens + 2, kernel - 1, conv_dim, dtype=bf16).transpose(-1, -2)
+    args = [torch.randn(tokens + 1, conv_dim, dtype=bf16), torch.randn(tokens + 1, hv * d, dtype=bf16),
+            torch.randn(tokens + 1, hv, dtype=bf16), torch.randn(tokens + 1, hv, dtype=bf16),
+            torch.randn(conv_dim, kernel, dtype=bf16), torch.rand(hv), torch.randn(hv), torch.randn(d, dtype=bf16),
+            1e-6, 1e-6, conv, ssm,
+            torch.arange(1, tokens + 2, dtype=torch.int32)]  # fmt: skip
+    out, counters = torch.empty(tokens + 1, hv * d, dtype=bf16), torch.zeros((tokens + 1) * hk, dtype=torch.int32)
+    return captured_launch(K, "_gdn_decode_kernel", lambda: K.gdn_decode_fwd(
+        *args, out, counters=counters, rows=tokens, min_slot=1, vllm_math=True))  # fmt: skip
+
+
 ROUTER_KERNELS = ("_router_gemm_kernel", "_moe_route_kernel")
 
 
@@ -241,6 +261,26 @@ def gqa_launch(model: str, tokens: int, hf: bool) -> _Recorder:
     args = (q, k, v, q_w, k_w, 1e-6, 1.0 if gated else 0.0, full_width, cos, sin, positions, k_cache, v_cache,
             torch.arange(tokens), 1.0, 1.0, hf, None, None, 1.0, hf and full_width, hf, q_out)  # fmt: skip
     return captured_launch(K, "_gqa_prologue_kernel", lambda: K.gqa_prologue_fwd(*args))
+
+
+# GLM-4 (HF glm4, GLM-4-9B-0414's widths): q heads, kv heads, head_dim, rotary_dim; no q/k norms
+GQA_GPTJ_WIDTHS = (32, 2, 128, 64)
+
+
+def gqa_gptj_launch(tokens: int) -> _Recorder:
+    """gqa_prologue_fwd on HF GLM-4's path: no q/k norms, GPT-J pairs over half the head, heads-first
+    static bf16 cache, per-token bf16 cos / sin rows, each RoPE product and sum rounded."""
+    from fusion_compiler.kernels import gqa_prologue as K
+
+    heads, kv_heads, d, rot = GQA_GPTJ_WIDTHS
+    bf16 = torch.bfloat16
+    q, k, v = (torch.randn(tokens, h, d, dtype=bf16) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = (torch.empty(tokens + 1, kv_heads, 16, d, dtype=bf16) for _ in range(2))
+    cos, sin = torch.rand(tokens, rot // 2, dtype=bf16), torch.rand(tokens, rot // 2, dtype=bf16)
+    q_out = torch.empty(tokens, heads, d, dtype=bf16)
+    args = (q, k, v, None, None, 1e-6, 0.0, False, cos, sin, None, k_cache, v_cache, torch.arange(tokens), 1.0, 1.0,
+            True, None, None, 1.0, False, True, q_out)  # fmt: skip
+    return captured_launch(K, "_gqa_prologue_kernel", lambda: K.gqa_prologue_fwd(*args, interleaved_rope=True))
 
 
 def half_fmas(compiled) -> list[str]:
@@ -390,9 +430,9 @@ def scatter_rows_launch(tokens: int) -> dict[str, _Recorder]:
 
 def shipped_cases() -> list[tuple[str, str, object]]:
     """(label, kernel name, thunk returning its launch's recorders) for every shipped launch the
-    check compiles: the GDN step at 1 and 64 sequences, both conv forms; each model's router at 1,
+    check compiles: the GDN step at 1 and 64 sequences, both conv forms, and on vLLM's state layout; each model's router at 1,
     2 and 64 tokens, both of its kernels, and its routing from logits; MiniMax's and Qwen3.5's GQA
-    prologue at 1 and 4096 tokens, serving and HF paths; and the rest of kernels/ (issue 26):
+    prologue at 1 and 4096 tokens, serving and HF paths (and HF GLM-4's GPT-J one); and the rest of kernels/ (issue 26):
     rms_norm (add_rms_norm at each model's hidden width, 1 and 64 tokens, plain at 1; Qwen3.5's
     gated norm), the MLA q and kv prologues (serving at 1 and 4096 tokens, HF at 1), the TP
     variance, skinny_gemm at bench/skinny_gemm_check.py's projections, decode_attention (each
@@ -403,6 +443,8 @@ def shipped_cases() -> list[tuple[str, str, object]]:
     cases = [(f"gdn tokens={t}{' tile' if tile else ''}", "_gdn_decode_kernel",
               lambda t=t, tile=tile: {"_gdn_decode_kernel": gdn_launch(t, tile)})
              for t in (1, 64) for tile in (False, True)]  # fmt: skip
+    cases += [(f"gdn vllm tokens={t}", "_gdn_decode_kernel", lambda t=t: {"_gdn_decode_kernel": gdn_vllm_launch(t)})
+              for t in (1, 64)]  # fmt: skip
     cases += [(f"router {m} tokens={t} {name}", name, lambda m=m, t=t: router_launches(m, t))
               for m in MODELS for t in (1, 2, 64) for name in ROUTER_KERNELS]  # fmt: skip
     cases += [(f"route from logits {m} tokens=3", "_moe_route_kernel",
@@ -410,6 +452,8 @@ def shipped_cases() -> list[tuple[str, str, object]]:
     cases += [(f"gqa {m} tokens={t} {'hf' if hf else 'serving'}", "_gqa_prologue_kernel",
                lambda m=m, t=t, hf=hf: {"_gqa_prologue_kernel": gqa_launch(m, t, hf)})
               for m in GQA_MODELS for t in (1, 4096) for hf in (False, True)]  # fmt: skip
+    cases += [(f"gqa glm4 tokens={t} hf gptj", "_gqa_prologue_kernel",
+               lambda t=t: {"_gqa_prologue_kernel": gqa_gptj_launch(t)}) for t in (1, 4096)]  # fmt: skip
     cases += [(f"add_rms_norm {m} hidden={n} tokens={t}", "_rms_norm_fwd_kernel",
                lambda n=n, t=t: rms_norm_launch(n, t, True)) for m, n in NORM_WIDTHS.items() for t in (1, 64)]  # fmt: skip
     cases += [(f"rms_norm {m} hidden={n} tokens=1", "_rms_norm_fwd_kernel", lambda n=n: rms_norm_launch(n, 1, False))

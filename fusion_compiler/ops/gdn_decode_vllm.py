@@ -37,7 +37,8 @@ Paths, decided per call on the host from the metadata (vLLM's own op decides the
   one or two Inductor kernels more (``b.contiguous()`` / ``a.contiguous()``, the zeros of
   ``core_attn_out``, the gated norm).
 - anything else (prefill, mixed batches, speculative decode, vLLM's warm-up without metadata,
-  CPU): vLLM's own op on a zeroed ``out``, then the gated norm in plain torch.
+  CPU): vLLM's own op on a zeroed ``out``, then the gated norm in plain torch; each reason is
+  logged once.
 
 Nothing is allocated on the kernel path but the kernel's per-device arrival counters, which are
 sized on the first call (vLLM's warm-up runs before CUDA-graph capture). vLLM's op is a splitting
@@ -48,11 +49,16 @@ Imports vLLM: only ``integrations/vllm.py`` loads this module (the core never im
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name
 
 from .rms_norm import gated_rms_norm_reference
+
+log = logging.getLogger("fusion_compiler")
 
 OP = "fusion_compiler::gdn_decode_vllm"
 # vLLM's qk l2norm eps (the packed decode kernel's literal 1e-6).
@@ -120,10 +126,18 @@ def gdn_decode_vllm(
     eps: float, out: torch.Tensor, layer_name: LayerNameType,
 ) -> None:  # fmt: skip
     layer, metadata = layer_and_metadata(layer_name)
-    if _kernel_declines(layer, metadata, mixed_qkv) is None:
+    reason = _kernel_declines(layer, metadata, mixed_qkv)
+    if reason is None:
         decode_step(layer, metadata, mixed_qkv, b, a, z, norm_weight, eps, out)
     else:
+        _log_vllm_path(reason)
         vllm_step(mixed_qkv, b, a, z, norm_weight, eps, out, layer_name)
+
+
+@functools.cache
+def _log_vllm_path(reason: str) -> None:
+    """Say, once per reason, why a call ran vLLM's op and not our kernel."""
+    log.info("fusion_compiler: %s runs vLLM's qwen_gdn_attention_core here: %s", OP, reason)
 
 
 @gdn_decode_vllm.register_fake
