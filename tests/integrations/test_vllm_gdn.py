@@ -8,7 +8,8 @@ Two halves:
   attention layer), built on the CPU with CUDA's choices and compiled through vLLM's backend
   (test_vllm_launches.py's builder), stock and with our pass, with
   ``use_inductor_graph_partition=True``; and with our pass under vLLM's default FX split, where
-  the site is a miss saying why.
+  the site is a miss saying why. vLLM's Qwen3NextForCausalLM (two GDN layers), stock and ours,
+  with partition: its interleaved in-projections are unpacked before the same core.
 - The state update itself: vLLM's KV-cache page layout (conv and SSM states as strided views of
   one int8 page per slot), one decode step through vLLM's own Triton path
   (``_forward_core_decode_non_spec``: causal_conv1d_update, then
@@ -56,9 +57,10 @@ def _launch_order(sources) -> list[str]:
     return order
 
 
-def gdn_mixer_launches(order: list[str]) -> list[str]:
-    """The non-GEMM launches between the GDN core's last GEMM before it and the first after it."""
-    core = next(i for i, name in enumerate(order) if name in (CORE, "torch.ops.fusion_compiler.gdn_decode_vllm.default"))
+def gdn_mixer_launches(order: list[str], nth: int = 0) -> list[str]:
+    """The non-GEMM launches between the ``nth`` GDN core's last GEMM before it and the first after it."""
+    ours = "torch.ops.fusion_compiler.gdn_decode_vllm.default"
+    core = [i for i, name in enumerate(order) if name in (CORE, ours)][nth]
     start = max(i for i in range(core) if order[i].startswith(_GEMMS))
     end = next(i for i in range(core, len(order)) if order[i].startswith(_GEMMS))
     return order[start + 1 : end]
@@ -72,7 +74,8 @@ def cuda_count(names: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """{"stock" | "ours" | "ours_split": (Compiled, launch order)}, compiled once for the module."""
+    """{"stock" | "ours" | "ours_split" | "next_stock" | "next_ours": (Compiled, launch order)},
+    compiled once for the module (next_: Qwen3-Next)."""
     from integrations import test_vllm_launches as launches  # its builder (tests/ is on the path)
 
     from fusion_compiler.integrations.vllm import VllmFusionPass
@@ -85,7 +88,33 @@ def compiled(tmp_path_factory):
                                           ("ours_split", VllmFusionPass(), False)):  # fmt: skip
             build = launches._compile(path, our_pass, partition=partition)
             out[name] = (build, _launch_order(build.sources))
+        path = _write_qwen3_next(root)
+        for name, our_pass in (("next_stock", None), ("next_ours", VllmFusionPass())):
+            build = launches._compile(path, our_pass)
+            out[name] = (build, _launch_order(build.sources))
         yield out
+
+
+def _write_qwen3_next(root) -> str:
+    """vLLM's Qwen3NextForCausalLM, tiny: Qwen3.5's tiny sizes (model_adapters/qwen35), two GDN
+    layers and one full-attention layer, NeoX partial RoPE without mrope."""
+    import inspect
+
+    from transformers import Qwen3NextConfig
+
+    from fusion_compiler.model_adapters.qwen35 import TINY_CONFIG
+
+    keys = inspect.signature(Qwen3NextConfig.__init__).parameters
+    config = Qwen3NextConfig(**{
+        **{k: v for k, v in TINY_CONFIG.items() if k in keys}, "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    })  # fmt: skip
+    config.architectures = ["Qwen3NextForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    path = str(root / "qwen3_next")
+    config.save_pretrained(path)
+    return path
 
 
 def test_gdn_site_fused_in_every_linear_attention_layer(compiled):
@@ -110,6 +139,28 @@ def test_gdn_layer_non_gemm_kernels_at_most_two_against_stock(compiled):
              * (CORE_CUDA_LAUNCHES - 1) for name in ("stock", "ours")}  # fmt: skip
     print(f"whole graph, the same rule: {whole}")
     assert whole["ours"] <= whole["stock"], whole
+
+
+def test_qwen3_next_gdn_site_fused_in_every_linear_attention_layer(compiled):
+    """vLLM's Qwen3NextForCausalLM (interleaved qkvz / ba in-projections, unpacked by split, cat
+    and reshape copies before the core): the same core and gated norm, so the same site. Per GDN
+    mixer, stock: the unpack with the core's zeros (1 Inductor kernel), the core (2), the gated
+    norm (1). Ours: the unpack (1; its cat of q, k, v and copies of z, b, a stay), the op (1)."""
+    from fusion_compiler.patterns.vllm_gdn import VARIANT
+
+    report = compiled["next_ours"][0].report
+    gdn = [s for s in report.sites if s.family == "gdn"]
+    assert [(s.layer, s.status, s.variant) for s in gdn] == [(layer, "matched", VARIANT) for layer in (0, 1)], \
+        report.format()
+    stock, ours = compiled["next_stock"][1], compiled["next_ours"][1]
+    assert CORE not in ours and stock.count(CORE) == 2
+    counts = [(cuda_count(gdn_mixer_launches(stock, n)), cuda_count(gdn_mixer_launches(ours, n))) for n in (0, 1)]
+    print(f"Qwen3-Next GDN mixers, non-GEMM (stock, ours): {counts}")
+    assert counts == [(4, 2), (4, 2)]
+    whole = {name: cuda_launch_proxy(compiled[name][0].launches) + compiled[name][0].launches[CORE]
+             * (CORE_CUDA_LAUNCHES - 1) for name in ("next_stock", "next_ours")}  # fmt: skip
+    print(f"Qwen3-Next whole graph, the same rule: {whole}")
+    assert whole["next_ours"] <= whole["next_stock"], whole
 
 
 def test_our_op_partitions_the_graph_where_vllms_core_did():
