@@ -54,9 +54,8 @@ from ..config import FusionConfig
 from ..ops.launches import cuda_launches
 from ..passes.fusion_pass import FusionPass, pass_uuid
 from ..passes.report import GraphReport, MatchReport
-from ..patterns import vllm_gdn, vllm_ir, vllm_rope
 from ..ops import gqa_prologue_vllm
-from ..patterns import vllm_gqa_prologue
+from ..patterns import vllm_gdn, vllm_gqa_prologue, vllm_ir, vllm_rope
 from ..patterns.registry import Family, Variant, source_text
 from ..patterns.site import Site
 
@@ -180,11 +179,14 @@ class VllmFusionPass(FusionPass, InductorPass):
     def _report_kv_update_split(self) -> None:
         """With vLLM's FX split at its K/V cache update no graph holds a K/V prologue site: each
         attention layer of the config is reported once as a miss, saying so."""
-        if not kv_update_split() or any(s.anchor == gqa_prologue_vllm.KV_UPDATE for s in self.report.sites):
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        update = gqa_prologue_vllm.KV_UPDATE
+        if not splits_at(update) or any(s.anchor == update for s in self.report.sites):
             return
-        for name in attention_layers():
+        for name in layers_of(Attention):
             self.report.graphs[-1].sites.append(
-                Site("gqa_prologue", "missed", None, name, gqa_prologue_vllm.KV_UPDATE, KV_SPLIT_REASON)
+                Site("gqa_prologue", "missed", None, name, update, KV_SPLIT_REASON)
             )
 
     def families_for(self, name: str) -> tuple[Family, ...]:
@@ -251,17 +253,31 @@ class VllmFusionPass(FusionPass, InductorPass):
         })  # fmt: skip
 
 
+def _compilation():
+    """The CompilationConfig of the vLLM config being compiled."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().compilation_config
+
+
+def splits_at(op: str) -> bool:
+    """Whether vLLM splits its FX graph at ``op`` before Inductor, so no graph of ours holds the
+    op beside its neighbours (with ``use_inductor_graph_partition`` it partitions after our pass)."""
+    compilation = _compilation()
+    return not compilation.use_inductor_graph_partition and op in (compilation.splitting_ops or ())
+
+
+def layers_of(cls) -> list[str]:
+    """The names of the config's layers of class ``cls`` (vLLM's static forward context)."""
+    return [name for name, layer in _compilation().static_forward_context.items() if isinstance(layer, cls)]
+
+
 def gdn_split_layers() -> tuple[str, ...]:
     """The model's GDN layers when vLLM splits its FX graph at their core, so no graph of ours
     holds the core and its gated norm together (they fuse with ``use_inductor_graph_partition``)."""
-    from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-    compilation = get_current_vllm_config().compilation_config
-    if compilation.use_inductor_graph_partition or GDN_CORE not in (compilation.splitting_ops or ()):
-        return ()
-    layers = compilation.static_forward_context.items()
-    return tuple(name for name, layer in layers if isinstance(layer, QwenGatedDeltaNetAttention))
+    return tuple(layers_of(QwenGatedDeltaNetAttention)) if splits_at(GDN_CORE) else ()
 
 
 def partition_like_replaced_ops() -> None:
@@ -280,23 +296,6 @@ KV_SPLIT_REASON = (
     "use_inductor_graph_partition is set), so no graph holds the K/V prologue: set "
     "use_inductor_graph_partition=True, or leave the update out of splitting_ops"
 )
-
-
-def kv_update_split() -> bool:
-    """Whether vLLM splits its FX graph at its K/V cache update (no graph of ours holds it)."""
-    from vllm.config import get_current_vllm_config
-
-    compilation = get_current_vllm_config().compilation_config
-    return not compilation.use_inductor_graph_partition and gqa_prologue_vllm.KV_UPDATE in (compilation.splitting_ops or ())
-
-
-def attention_layers() -> list[str]:
-    """The names of the config's attention layers (vLLM's static forward context)."""
-    from vllm.config import get_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    layers = get_current_vllm_config().compilation_config.static_forward_context.items()
-    return [name for name, layer in layers if isinstance(layer, Attention)]
 
 
 def use_graph_partition(compilation) -> None:

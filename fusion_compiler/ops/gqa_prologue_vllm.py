@@ -107,8 +107,11 @@ def _slots(slot_mapping: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cat([slot_mapping, padding])
 
 
-def gqa_prologue_vllm_impl(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm,
-                           cos_sin_cache, positions, round_normalized, round_rope_products, layer_name):  # fmt: skip
+def gqa_prologue_vllm_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                           k_norm_weight: torch.Tensor | None, eps: float, weight_offset: float, full_width_norm: bool,
+                           cos_sin_cache: torch.Tensor, positions: torch.Tensor, round_normalized: bool,
+                           round_rope_products: bool,
+                           layer_name: LayerNameType) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Resolve the layer's cache and slots, then run gqa_prologue on its K/V views."""
     _, layer, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
     tokens, head_dim = v.shape[0], v.shape[-1]
@@ -139,15 +142,7 @@ def gqa_prologue_vllm_fake(q, k, v, q_norm_weight, k_norm_weight, eps, weight_of
     return q.new_empty((tokens, heads, head_dim)), q.new_empty(0)
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor | None,
-               k_norm_weight: torch.Tensor | None, eps: float, weight_offset: float, full_width_norm: bool,
-               cos_sin_cache: torch.Tensor, positions: torch.Tensor, round_normalized: bool,
-               round_rope_products: bool, layer_name: LayerNameType) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return gqa_prologue_vllm_impl(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_width_norm,
-                                  cos_sin_cache, positions, round_normalized, round_rope_products, layer_name)  # fmt: skip
-
-
 # No mutated argument: like unified_kv_cache_update, the op writes a cache no argument holds, and
 # attention's kv_cache_dummy_dep on its second output keeps the order.
-_op = torch.library.custom_op("fusion_compiler::gqa_prologue_vllm", _signature, mutates_args=())
+_op = torch.library.custom_op("fusion_compiler::gqa_prologue_vllm", gqa_prologue_vllm_impl, mutates_args=())
 _op.register_fake(gqa_prologue_vllm_fake)
