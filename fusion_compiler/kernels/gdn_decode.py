@@ -74,7 +74,7 @@ import triton.language as tl
 
 from ._device import downcast, launch_on_device, mean_from_sum, round_trip, upcast
 
-KERNEL_VERSION = "gdn_decode-9"
+KERNEL_VERSION = "gdn_decode-10"
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -115,13 +115,26 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_
     else:
         chan = (chan0 + c)[:, None]
         x = round_trip(upcast(tl.load(X_ROW + chan0 + c, mask=cmask, other=0.0)), CONV_DTYPE)
-        i = tl.arange(0, K_PAD)[None, :]
-        # Tap i < K - 1 reads state column W - K + 1 + i; tap K - 1 is the new column.
-        taps = tl.load(STATE + chan * stride_cs_c + (W - K + 1 + i) * stride_cs_w,
-                       mask=cmask[:, None] & (i < K - 1), other=0.0)
-        taps = tl.where(i == K - 1, x[:, None], round_trip(upcast(taps), CONV_DTYPE))
-        w = upcast(tl.load(W_PTR + chan * stride_w_c + i * stride_w_k, mask=cmask[:, None] & (i < K), other=0.0))
-        act = _conv_act(tl.sum(taps * w, axis=1), CONV_DTYPE, ACT_DTYPE, VLLM)
+        if VLLM:  # causal_conv1d_update: acc += x_i * w_i tap by tap, each product in the operands' dtype
+            conv = tl.zeros([C_PAD], dtype=tl.float32)
+            for tap in tl.static_range(K):  # tap i < K - 1 reads state column W - K + 1 + i
+                if tap < K - 1:
+                    column = tl.load(STATE + (chan0 + c) * stride_cs_c + (W - K + 1 + tap) * stride_cs_w, mask=cmask,
+                                     other=0.0)  # fmt: skip
+                    column = round_trip(upcast(column), CONV_DTYPE)
+                else:
+                    column = x
+                weight = upcast(tl.load(W_PTR + (chan0 + c) * stride_w_c + tap * stride_w_k, mask=cmask, other=0.0))
+                conv += round_trip(column * weight, CONV_DTYPE)
+        else:
+            i = tl.arange(0, K_PAD)[None, :]
+            # Tap i < K - 1 reads state column W - K + 1 + i; tap K - 1 is the new column.
+            taps = tl.load(STATE + chan * stride_cs_c + (W - K + 1 + i) * stride_cs_w,
+                           mask=cmask[:, None] & (i < K - 1), other=0.0)
+            taps = tl.where(i == K - 1, x[:, None], round_trip(upcast(taps), CONV_DTYPE))
+            w = upcast(tl.load(W_PTR + chan * stride_w_c + i * stride_w_k, mask=cmask[:, None] & (i < K), other=0.0))
+            conv = tl.sum(taps * w, axis=1)
+        act = _conv_act(conv, CONV_DTYPE, ACT_DTYPE, VLLM)
         # New window: column j takes old column j + 1, the last one the new column.
         j = tl.arange(0, W_PAD)[None, :]
         shifted = tl.load(STATE + chan * stride_cs_c + (j + 1) * stride_cs_w,
@@ -133,9 +146,10 @@ def _conv_channels(X_ROW, STATE, W_PTR, chan0, count, live, stride_cs_c, stride_
 @triton.jit
 def _conv_act(conv, CONV_DTYPE: tl.constexpr, ACT_DTYPE: tl.constexpr, VLLM: tl.constexpr):
     """SiLU of the fp32 conv sum: HF rounds the sum and the SiLU to the weight's dtype, then to
-    the activation dtype; vLLM's causal_conv1d_update rounds once, at its store."""
+    the activation dtype; vLLM's causal_conv1d_update rounds once, at its store, and divides with
+    a plain ``/`` (approximate on the GPU, as there)."""
     if VLLM:
-        act = round_trip(_silu(conv), ACT_DTYPE)
+        act = round_trip(conv / (1.0 + tl.exp(-conv)), ACT_DTYPE)
     else:
         act = round_trip(round_trip(_silu(round_trip(conv, CONV_DTYPE)), CONV_DTYPE), ACT_DTYPE)
     return act
@@ -183,13 +197,35 @@ def _store_window(STATE, window, chan0, count, mask, stride_cs_c, stride_cs_w,
 
 
 @triton.jit
+def _k_axis(k, VK: tl.constexpr):
+    """A [DK] vector along the state tile's k axis: its rows in [DK, BV] tiles, its columns in
+    vLLM's [BV, DK] (VK)."""
+    if VK:
+        out = k[None, :]
+    else:
+        out = k[:, None]
+    return out
+
+
+@triton.jit
+def _v_axis(v, VK: tl.constexpr):
+    """A [BV] vector along the state tile's value axis (``_k_axis``'s other one)."""
+    if VK:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
 def _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, valid, stride_cs_c, stride_cs_w, stride_w_c,
                  stride_w_k, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
                  K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr,
                  ACT: tl.constexpr, TAPS: tl.constexpr, VLLM: tl.constexpr, stride_rs_v):
-    """One block's loads: the state columns [v0, v0 + BV) of the head [DK_PAD, BV], and the
-    conv + SiLU of the same v channels (activations, shifted window). All masked off unless valid."""
-    vv = v0 + tl.arange(0, BV)[None, :]
+    """One block's loads: the state columns [v0, v0 + BV) of the head ([DK_PAD, BV], or with VLLM
+    [BV, DK_PAD]), and the conv + SiLU of the same v channels (activations, shifted window). All
+    masked off unless valid."""
+    vv = _v_axis(v0 + tl.arange(0, BV), VLLM)
     state = tl.load(s_row + vv * stride_rs_v, mask=(kk < DK) & (vv < DV) & valid, other=0.0)
     v, v_win = _conv_channels(x_row, cs, CONV_W, v_chan_base + v0, tl.minimum(DV - v0, BV), valid, stride_cs_c,
                               stride_cs_w, stride_w_c, stride_w_k, BV, K, K_PAD, W, W_PAD, CONV_DTYPE, ACT, TAPS,
@@ -213,13 +249,23 @@ def _last_arrival(COUNTER, live, ARRIVALS: tl.constexpr):
 
 
 @triton.jit
-def _update_block(state, v, k, q, decay, beta, ACT: tl.constexpr):
-    """The delta rule on one block of state columns, in HF's order: (new state, o rounded to ACT)."""
+def _update_block(state, v, k, q, decay, beta, ACT: tl.constexpr, VK: tl.constexpr):
+    """The delta rule on one block of state columns, in HF's order: (new state, o rounded to ACT).
+    VK: vLLM's [BV, DK] tile, as its packed decode kernel holds it, so the sums over k reduce the
+    same axis of the same shape (bit-equal under the interpreter; on the GPU the order also
+    depends on the layout Triton picks)."""
     state = state * decay
-    kv_mem = tl.sum(state * k[:, None], axis=0)
-    delta = (v - kv_mem) * beta
-    state = state + k[:, None] * delta[None, :]
-    return state, round_trip(tl.sum(state * q[:, None], axis=0), ACT)
+    if VK:
+        kv_mem = tl.sum(state * k[None, :], axis=1)
+        delta = (v - kv_mem) * beta
+        state = state + delta[:, None] * k[None, :]
+        o = tl.sum(state * q[None, :], axis=1)
+    else:
+        kv_mem = tl.sum(state * k[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+    return state, round_trip(o, ACT)
 
 
 @triton.jit
@@ -261,7 +307,7 @@ def _gdn_decode_kernel(
     slot = tl.load(SLOTS + t, mask=t < rows, other=-1).to(tl.int64)
     live = (slot >= min_slot) & (t < rows)
     slot = tl.maximum(slot, 0)
-    kk = tl.arange(0, DK_PAD)[:, None]
+    kk = _k_axis(tl.arange(0, DK_PAD), VLLM)  # the state tile: [DK, BV], or vLLM's [BV, DK]
     s_row = REC_STATE + slot * stride_rs_s + h * stride_rs_h + kk * stride_rs_k
     key_width = key_heads * DK
     x_row = MIXED + t * stride_x
@@ -299,9 +345,10 @@ def _gdn_decode_kernel(
     k = _l2norm(k, qk_eps, VLLM)
 
     # Gates: beta rounded to b's dtype (HF's b.sigmoid(); vLLM keeps fp32), g in fp32.
-    beta = tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b))
-    if not VLLM:
-        beta = round_trip(beta, B.dtype.element_ty)
+    if VLLM:
+        beta = tl.sigmoid(b)
+    else:
+        beta = round_trip(tl.math.div_rn(b * 0.0 + 1.0, 1.0 + tl.exp(-b)), B.dtype.element_ty)
     decay = tl.exp(-tl.exp(a_log) * _softplus(a + dt_bias, VLLM))
 
     # Value columns in CHUNKS blocks of BV; each block's loads are issued before the gates'
@@ -313,7 +360,7 @@ def _gdn_decode_kernel(
         # o goes out first and the state only after the counter below: the counter's release
         # then waits for o's stores, not for the state block's.
         vv = v0 + tl.arange(0, BV)
-        state, o = _update_block(state, v, k, q, decay, beta, ACT)
+        state, o = _update_block(state, v, k, q, decay, beta, ACT, VLLM)
         tl.store(o_row + vv, downcast(tl.where(live, o, 0.0), OUT.dtype.element_ty), mask=vv < DV)
         tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
         _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w, BV,
@@ -322,8 +369,8 @@ def _gdn_decode_kernel(
         o = tl.zeros([BV], dtype=tl.float32)
         for c in range(0, CHUNKS):
             vv = v0 + tl.arange(0, BV)
-            state, o = _update_block(state, v, k, q, decay, beta, ACT)
-            tl.store(s_row + vv[None, :] * stride_rs_v, state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+            state, o = _update_block(state, v, k, q, decay, beta, ACT, VLLM)
+            tl.store(s_row + _v_axis(vv, VLLM) * stride_rs_v, state, mask=(kk < DK) & (_v_axis(vv, VLLM) < DV) & live)
             tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
             _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w,
                           BV, W, W_PAD, CONV_TAPS)
@@ -358,7 +405,7 @@ def _gdn_decode_kernel(
         tl.debug_barrier()
         writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
         if one_block_of_split_row:
-            tl.store(s_row + vv[None, :] * stride_rs_v, state, mask=(kk < DK) & (vv[None, :] < DV) & live)
+            tl.store(s_row + _v_axis(vv, VLLM) * stride_rs_v, state, mask=(kk < DK) & (_v_axis(vv, VLLM) < DV) & live)
         o = upcast(tl.load(out_rows, mask=dmask & writer, other=0.0, cache_modifier=".cg"))
         y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE, VLLM)
         tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & writer)  # padding rows: zeros stored
@@ -385,7 +432,7 @@ class Tiling:
     conv_taps: bool = True
 
 
-def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
+def tiling(tokens: int, value_dim: int, value_heads: int, vllm: bool = False) -> Tiling:
     """The H200 sweeps' choice (bench/diagnostics/gdn_tiling_sweep.py, gdn_decode-3 and -7, bench/NOTES.md):
     one program per head looping over 64-column blocks at 4 warps from 16 sequences up (70% of
     the copy bandwidth at 256), 32-column blocks below; a head split over 4 programs while
@@ -398,8 +445,10 @@ def tiling(tokens: int, value_dim: int, value_heads: int) -> Tiling:
     while blocks % split:
         split //= 2
     # At 8 sequences 32-column blocks looped by one or two programs a head are fastest at 2
-    # warps (H200: 28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, gdn_decode).
-    warps = 2 if block_v == 32 and split <= 2 else 4
+    # warps (H200: 28.8 / 30.8 us against 32.8 / 33.7 at 4; bench/NOTES.md, gdn_decode). vLLM's
+    # [V, K] tile (``vllm``) takes 243-255 registers at 2 warps, 96 at 4 (offline sm_90 SASS,
+    # 64 sequences): 4 there, not timed.
+    warps = 2 if block_v == 32 and split <= 2 and not vllm else 4
     return Tiling(block_v, chunks=blocks // split, split=split, num_warps=warps)
 
 
@@ -442,9 +491,12 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
     vLLM's contract (ops/gdn_decode_vllm.py): only the first ``rows`` rows (default T) are live
     and read ``state_slots``; a slot below ``min_slot`` (default 0; vLLM's NULL_BLOCK_ID 0 needs
     1) is padding. ``vllm_math``: vLLM's arithmetic (causal_conv1d_update, the packed decode
-    kernel, RMSNormGated.forward_native): the conv rounded once after SiLU, beta in fp32, l2norm
-    as ``x / sqrt(sum + eps)`` and q times ``Dk ** -0.5``, softplus as ``log(1 + exp(x))``, the
-    gated norm in fp32."""
+    kernel, RMSNormGated.forward_native): the conv summed tap by tap, each product rounded to
+    the weight's dtype (needs the activations, conv state and weight in one dtype), and rounded
+    once after SiLU; beta as ``tl.sigmoid`` in fp32; l2norm as ``x / sqrt(sum + eps)`` and q times
+    ``Dk ** -0.5``; softplus as ``log(1 + exp(x))``; the state tile [V, K] as vLLM's, so the
+    sums over k take its order; the gated norm in fp32. The conv's per-tap vectors are not
+    used (vLLM's state is K - 1 wide)."""
     tokens = mixed_qkv.shape[0]
     if tokens == 0:
         return
@@ -460,7 +512,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             raise ValueError(f"{name} must be contiguous")
     if out.dtype != mixed_qkv.dtype:
         raise ValueError(f"out must have mixed_qkv's dtype {mixed_qkv.dtype} (split heads keep o in it), got {out.dtype}")
-    tile = tiling_override or tiling(tokens, value_dim, value_heads)
+    tile = tiling_override or tiling(tokens, value_dim, value_heads, vllm=vllm_math)
     if tile.block_v & (tile.block_v - 1) or tile.block_v * tile.chunks * tile.split < value_dim:
         raise ValueError(f"{tile} does not cover {value_dim} value columns with a power-of-two block")
     # One block a row needs BV == DV_PAD (the norm's row is the block).
@@ -486,7 +538,7 @@ def gdn_decode_fwd(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight,
             SPLIT=tile.split,
             K=kernel, K_PAD=triton.next_power_of_2(kernel), W=width, W_PAD=triton.next_power_of_2(width),
             ACT=_TL_DTYPES[mixed_qkv.dtype], CONV_DTYPE=_TL_DTYPES[conv_weight.dtype], NORM_DTYPE=norm_dtype,
-            CONV_TAPS=bool(tile.conv_taps and kernel == width == 4), VLLM=vllm_math, num_warps=tile.num_warps,
+            CONV_TAPS=bool(tile.conv_taps and kernel == width == 4 and not vllm_math), VLLM=vllm_math, num_warps=tile.num_warps,
         )
 
     launch_on_device(mixed_qkv, _launch)

@@ -30,7 +30,7 @@ slot; an index <= 0 (NULL_BLOCK_ID) is padding: no state is read or written.
 Paths, decided per call on the host from the metadata (vLLM's own op decides the same way):
 
 - ``_kernel_declines`` says nothing (all tokens decode, no speculative decode, CUDA, fp32 SSM,
-  no conv bias, SiLU): one launch of ``kernels/gdn_decode.py`` with ``vllm_math`` (vLLM's
+  no conv bias, SiLU, the conv state and weight in the activations' dtype): one launch of ``kernels/gdn_decode.py`` with ``vllm_math`` (vLLM's
   rounding points: causal_conv1d_update, the packed decode kernel, RMSNormGated.forward_native),
   which writes both states and ``out``. vLLM takes 2 launches for the core
   (``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule_packed_decode``), and its graph
@@ -94,6 +94,9 @@ def _kernel_declines(layer, metadata, mixed_qkv) -> str | None:
         return "the conv has a bias or no SiLU"
     if layer.kv_cache[1].dtype != torch.float32:
         return f"the SSM state is {layer.kv_cache[1].dtype}, the kernel's is fp32"
+    conv_dtypes = {layer.kv_cache[0].dtype, layer.conv1d.weight.dtype}
+    if conv_dtypes != {mixed_qkv.dtype}:
+        return f"the conv state and weight ({', '.join(sorted(map(str, conv_dtypes)))}) are not in the activations' {mixed_qkv.dtype}"
     if metadata.non_spec_state_indices_tensor.stride(0) != 1:
         return "the state indices are strided"
     return None

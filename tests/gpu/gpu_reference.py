@@ -113,18 +113,22 @@ def rope64(x, cos, sin, round_products=None):
 
 
 def gdn_step64(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_eps, conv_rows, state_rows,
-               key_heads, hf_roundings):  # fmt: skip
+               key_heads, hf_roundings, vllm_roundings=False):  # fmt: skip
     """One step of n live rows: conv_rows [n, conv_dim, W] (act dtype), state_rows [n, Hv, Dk, Dv]
     float64. Returns (out [n, Hv * Dv] float64, new conv rows (act dtype, exact), new states
     float64). The conv output is rounded to the activation dtype, where every lowering rounds it;
     with ``hf_roundings`` (the op's contract, HF's code: the "triton" lowering) also the conv sum
-    before the SiLU and beta, to bf16; fla's kernels keep both in fp32."""
+    before the SiLU and beta, to bf16; fla's kernels keep both in fp32. With ``vllm_roundings``
+    (vLLM's causal_conv1d_update) each conv product is rounded to the weight's dtype first."""
     n, conv_dim = mixed_qkv.shape
     _, hv, dk, dv = state_rows.shape
     kernel = conv_weight.shape[-1]
     w = conv_weight.reshape(conv_dim, kernel).double()
     window = torch.cat([conv_rows, mixed_qkv.unsqueeze(-1)], dim=-1)
-    conv = (window[..., -kernel:].double() * w).sum(-1)
+    products = window[..., -kernel:].double() * w
+    if vllm_roundings:
+        products = products.to(conv_weight.dtype).double()
+    conv = products.sum(-1)
     if hf_roundings:
         conv = conv.to(conv_weight.dtype).double()
     qkv = torch.nn.functional.silu(conv).to(mixed_qkv.dtype).double()

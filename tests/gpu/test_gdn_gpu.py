@@ -11,7 +11,10 @@ to bf16 tolerance, padding rows (slot -1) exactly zero, the conv state's written
 the shifted window (a copy), the recurrent state's written rows to fp32-level tolerance, and
 every other slot of both states bit-equal to before. Our kernel's output starts NaN with guard
 rows. HF's conv state (width 4) for both lowerings; vLLM's (width 3, channels contiguous) for
-ours, which fla's conv update cannot take.
+ours, which fla's conv update cannot take. And ours as ops/gdn_decode_vllm.py launches it inside
+vLLM ("vllm_math"): vLLM's SSM layout [slot, Hv, Dv, Dk], slot 0 as padding (``min_slot=1``), a
+last row past ``rows`` (vLLM's CUDA-graph padding), vLLM's arithmetic, against the float64 step
+with vLLM's roundings (each conv product to bf16, no HF rounding of the conv sum or beta).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ TRITON_CASES = cases(
     {"qwen3.5-1-hf": (QWEN, 1, "hf"), "qwen3.5-8-vllm": (QWEN, 8, "vllm"), "qwen3.5-8-hf": (QWEN, 8, "hf")},
     {"tiny-3-vllm": (TINY, 3, "vllm")},
 )
+VLLM_MATH_CASES = cases({"qwen3.5-1-vllm_math": (QWEN, 2, "vllm_math"), "qwen3.5-65-vllm_math": (QWEN, 65, "vllm_math")},
+                        {"tiny-5-vllm_math": (TINY, 5, "vllm_math")})  # fmt: skip
 FLA_CASES = [pytest.param((QWEN, t, "hf"), id=f"qwen3.5-{t}-hf") for t in (1, 8)]
 STEPS = 2
 
@@ -47,10 +52,14 @@ def _make(dims, tokens, layout, gen):
         conv_state = randn(gen, num_slots, conv_dim, kernel)
     else:
         conv_state = randn(gen, num_slots, kernel - 1, conv_dim).transpose(1, 2)
-    recurrent_state = randn(gen, num_slots, hv, dk, dv, scale=0.2, dtype=torch.float32)
-    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    if layout == "vllm_math":  # vLLM's [slot, Hv, Dv, Dk], passed as its transpose; slot 0 is padding
+        recurrent_state = randn(gen, num_slots, hv, dv, dk, scale=0.2, dtype=torch.float32).transpose(-1, -2)
+        slots = torch.randperm(num_slots - 1, generator=gen)[:tokens] + 1
+    else:
+        recurrent_state = randn(gen, num_slots, hv, dk, dv, scale=0.2, dtype=torch.float32)
+        slots = torch.randperm(num_slots, generator=gen)[:tokens]
     if tokens > 1:
-        slots[1] = -1  # a padding row
+        slots[1] = 0 if layout == "vllm_math" else -1  # a padding row
     weights = [randn(gen, conv_dim, 1, kernel, scale=0.5), (torch.rand(hv, generator=gen) * 2).to(DEVICE),
                randn(gen, hv), randn(gen, dv, scale=0.2) + 1]  # fmt: skip
     return weights, conv_state, recurrent_state, slots.to(DEVICE)
@@ -68,7 +77,10 @@ def _run_steps(case, lowering):
     dims, tokens, layout = case
     gen = generator(31 * tokens + len(layout))
     weights, conv_state, recurrent_state, slots = _make(dims, tokens, layout, gen)
-    live = slots >= 0
+    vllm_math = layout == "vllm_math"
+    # vLLM's contract: slots below 1 are padding, and the last row is past ``rows`` (dead)
+    rows = tokens - 1 if vllm_math else tokens
+    live = (slots >= (1 if vllm_math else 0)) & (torch.arange(tokens, device=DEVICE) < rows)
     written = slots[live].long()
     untouched = torch.ones(conv_state.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[written] = False
@@ -79,13 +91,13 @@ def _run_steps(case, lowering):
         before = conv_state.clone(), recurrent_state.clone()
         if lowering == "triton":
             buf, out = poisoned((tokens, dims["value_heads"] * dims["value_dim"]), torch.bfloat16)
-            K.gdn_decode_fwd(*args, out)
+            K.gdn_decode_fwd(*args, out, rows=rows, min_slot=1 if vllm_math else 0, vllm_math=vllm_math)
             assert_guards_untouched(buf)
         else:
             out = torch.ops.fusion_compiler.gdn_decode_fla(*args)
         want, ref_conv, ref_state = gdn_step64(
             *[p[live] for p in proj], *weights, 1e-6, 1e-6, ref_conv, ref_state, dims["key_heads"],
-            hf_roundings=lowering == "triton",
+            hf_roundings=lowering == "triton" and not vllm_math, vllm_roundings=vllm_math,
         )  # fmt: skip
         what = f"{lowering} step {step}"
         # out: a few bf16 roundings (o, the normalized o, the weight product, the gated result)
@@ -101,6 +113,11 @@ def _run_steps(case, lowering):
 
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_gdn_decode_kernel_matches_float64(case):
+    _run_steps(case, "triton")
+
+
+@pytest.mark.parametrize("case", VLLM_MATH_CASES)
+def test_gdn_decode_vllm_math_matches_float64(case):
     _run_steps(case, "triton")
 
 

@@ -189,4 +189,4 @@ def test_conv_as_a_tile_matches_reference_where_taps_apply(block_v, split):
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-9"
+    assert KERNEL_VERSIONS["gdn_decode"] == K.KERNEL_VERSION == "gdn_decode-10"
