@@ -54,7 +54,9 @@ Semantics (``gqa_prologue_reference`` is the numerical truth); T tokens, D = hea
                  [batch, kv_heads, max_len, D]: slot = batch * max_len + position). Slot s is
                  row s % block_size of block s // block_size; slot -1 writes nothing. FP8
                  caches store ``value / scale`` (correctly rounded), clamped to +-448 and rounded
-                 to e4m3 (per-tensor k_scale / v_scale).
+                 to e4m3 (per-tensor k_scale / v_scale). A 3-D cache [slots, kv_heads, D] is
+                 flat, one row per slot (HF's continuous batching: ``index_copy_`` along dim 0),
+                 a paged cache of block_size 1 (cache_heads_first must be False).
 
 ``gqa_prologue_variance`` is the other side of that all-reduce: each token's local means of
 squares, ``[mean(q[t].float()**2), mean(k[t].float()**2)]`` over all of q's and of k's columns
@@ -103,8 +105,18 @@ DEFAULTS = {**NO_VARIANCE, "round_normalized": False, "round_rope_products": Fal
 
 
 def paged_view(cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
-    """The cache as [blocks, block_size, kv_heads, D] (a view)."""
+    """The cache as [blocks, block_size, kv_heads, D] (a view); a flat [slots, kv_heads, D] one
+    as blocks of one row."""
+    if cache.dim() == 3:
+        return cache.unsqueeze(1)
     return cache.transpose(1, 2) if heads_first else cache
+
+
+def unpaged_view(paged: torch.Tensor, cache: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """``paged_view``'s inverse: ``paged`` in ``cache``'s own layout."""
+    if cache.dim() == 3:
+        return paged.squeeze(1)
+    return paged.transpose(1, 2) if heads_first else paged
 
 
 def _require_float(t: torch.Tensor, name: str, dtypes: tuple = _FLOATS) -> None:
@@ -126,8 +138,11 @@ def _validate(q, k, v, q_norm_weight, k_norm_weight, eps, weight_offset, full_wi
             _require_float(t, name)
     _require_float(k_cache, "k_cache", _CACHE_DTYPES)
     _require_float(v_cache, "v_cache", _CACHE_DTYPES)
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k/v caches must be 4-D alike, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k_cache.dim() not in (3, 4) or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v caches must be 4-D (paged) or 3-D (flat) alike, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")  # fmt: skip
+    if k_cache.dim() == 3 and cache_heads_first:
+        raise ValueError(f"a flat cache {tuple(k_cache.shape)} is [slots, kv_heads, D]: cache_heads_first must be False")
     _, _, kv_heads, head_dim = paged_view(k_cache, cache_heads_first).shape
     if q.dim() != 3:
         raise ValueError(f"q must be [T, heads, head_dim], got {tuple(q.shape)}")
@@ -282,7 +297,8 @@ def gqa_prologue_canonical(**kwargs):
             rows = (rows.double() / scale).float().clamp(-FP8_MAX, FP8_MAX)
         block = paged.shape[1]
         targets, rows = padded_scatter_rows(slots, rows.to(cache.dtype), lambda t: paged[t // block, t % block])
-        return paged_view(torch.ops.aten.index_put.default(paged, [targets // block, targets % block], rows), heads_first)
+        written = torch.ops.aten.index_put.default(paged, [targets // block, targets % block], rows)
+        return unpaged_view(written, cache, heads_first)
 
     k_new = write(args["k_cache"], k_out, args["k_scale"])
     return q_out.contiguous(), k_new, write(args["v_cache"], args["v"], args["v_scale"])
@@ -313,6 +329,8 @@ def _cuda(*args):
     *args, interleaved_rope = _all_args(args)
     heads, _, head_dim, _ = _validate(*args)
     q = args[0]
+    for i in (ARG_NAMES.index("k_cache"), ARG_NAMES.index("v_cache")):  # a flat cache: blocks of one row
+        args[i] = paged_view(args[i], False) if args[i].dim() == 3 else args[i]
     q_out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
     gqa_prologue_fwd(*args, q_out, interleaved_rope=interleaved_rope)
     return q_out

@@ -191,11 +191,14 @@ def _format_missing(graph_report: GraphReport, missing) -> str:
 # Both prologue families anchor on RoPE nodes, so each sees the other's attentions as candidates.
 # Where the expectations say which family an attention is (model_adapters.base.attention_families:
 # MLA's latent K/V or per-head K/V with q/k norms), the other family's candidates there are not
-# sites of it: never reported as its misses.
+# sites of it: never reported as its misses. Without expectations, an attention whose K rows are
+# written roped per head to a cache (a gqa_prologue site, fused or not) is GQA's: mla_prologue
+# anchors on any rotation and would report its q and k RoPE as misses in its own variants' terms.
 PROLOGUE_FAMILIES = ("gqa_prologue", "mla_prologue")
 
 
 def _without_other_prologues(sites: list[Site], expected: dict) -> list[Site]:
-    owner = {module: family for family in PROLOGUE_FAMILIES for module in expected.get(family, {})}
+    owner = {s.module: s.family for s in sites if s.family == "gqa_prologue" and s.module}
+    owner.update({module: family for family in PROLOGUE_FAMILIES for module in expected.get(family, {})})
     return [s for s in sites
             if not (s.status == "missed" and s.family in PROLOGUE_FAMILIES and owner.get(s.module, s.family) != s.family)]

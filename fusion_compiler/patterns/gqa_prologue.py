@@ -28,7 +28,12 @@ Two layouts, each as its code writes it:
   post-grad graph then has no slice and no cat around the rotation), the static cache written
   by ``index_copy_`` along the sequence dim (an ``index_put`` with ``[None, None, position]``
   post-grad). cos / sin are [B, S, D] (per-row position_ids) or [1, S, D] (HF's default,
-  broadcast over the batch); the op reads either;
+  broadcast over the batch); the op reads either. ``hf_flat``: the same code under HF's
+  continuous batching (``generate_batch``): one packed sequence [1, T], the cache flat [slots,
+  kv_heads, D] and written by ``index_copy_(0, slots, k.transpose(1, 2).squeeze(0))`` (an
+  ``index_put`` at ``[slots]``), then read back by ``index_select`` (the replacement's new cache
+  feeds that read and the graph's final ``copy_``). Padding tokens all write one trash slot,
+  which HF never reads; the op writes it with one of their rows, as ``index_copy_`` does;
 * ``paged``: a serving engine (model_adapters/reference/<model>.py, vLLM's forward_native):
   [T, H, D], NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache``
   gathered at the positions, K and V written into a paged cache at flat slots, bf16 or FP8 with
@@ -51,7 +56,7 @@ fp32 graph has no casts, so the bf16 trace does not fit it); other float widths 
 trace, and the op's dtypes decide (float64: a reported miss).
 
 The site's anchor is the K-cache write whose rows are ``cat([rope(..), pass-through])``, or
-HF's rotation itself (full RoPE) written to HF's static cache or after a q/k norm. A plain
+HF's rotation itself (full RoPE) written to HF's static or flat cache, or after a q/k norm. A plain
 attention with no RoPE, or no cache write, has no site.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
 the matched nodes: the RoPE's slice points (NeoX halves or GPT-J pairs, as the variant says), the
@@ -179,21 +184,32 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
     return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
 
-def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, positions, rotary: str, rope: str = "neox"):
+def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str = "neox", cache: str = "bf16"):
     """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype
     (NeoX halves, or GPT-J pairs as GLM-4 writes them), the static cache written at the
-    positions (``index_copy_`` along the sequence dim)."""
+    positions ``where`` (``index_copy_`` along the sequence dim), or with ``cache="flat"``
+    continuous batching's flat cache [slots, kv_heads, D] at the slots ``where``
+    (``cache.index_copy_(0, slots, k.transpose(1, 2).squeeze(0))``, batch 1: its tokens packed;
+    v is then the projection [1, S, kv_heads * D])."""
     if rope == "gptj":
         rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
     else:
         rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    flat = cache == "flat"
+    # Flat: v's head split belongs to the site (without it V's write, rows squeezed, would also
+    # fit K's, and the matcher would bind both to it). HF transposes v's heads twice, before
+    # attention and before the write; the post-grad graph has neither.
+    v_rows = split_heads(v, "hf", k_cache.shape[-1]).squeeze(0) if flat else v.transpose(1, 2)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if rope == "gptj":
         cos, sin = pair_angles_hf(cos), pair_angles_hf(sin)
     q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
-    k_cache = aten.index_put.default(k_cache, [None, None, positions], k)
-    v_cache = aten.index_put.default(v_cache, [None, None, positions], v)
+    if flat:
+        k_cache = aten.index_put.default(k_cache, [where], k.transpose(1, 2).squeeze(0))
+        return q, k_cache, aten.index_put.default(v_cache, [where], v_rows)
+    k_cache = aten.index_put.default(k_cache, [None, None, where], k)
+    v_cache = aten.index_put.default(v_cache, [None, None, where], v_rows)
     return q, k_cache, v_cache
 
 
@@ -202,8 +218,8 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
         head_dim = k_cache.shape[-1]
         q = normed_heads(q, q_weight, eps, norm, layout, head_dim)
         k = normed_heads(k, k_weight, eps, norm, layout, head_dim)
-        if layout == "hf":  # where: the cache positions
-            return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary)
+        if layout == "hf":  # where: the cache positions (static cache) or slots (flat)
+            return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, cache=cache)
         return _paged_rows(q, k, v, cos, sin, k_cache, v_cache, where, cache, k_scale, v_scale)  # where: the slots
 
     if cache != "fp8":  # no scale arguments to trace
@@ -215,13 +231,13 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
     return prologue
 
 
-def _search_no_norm(rotary: str, rope: str):
+def _search_no_norm(rotary: str, rope: str, cache: str):
     """HF's attention without q/k norms (Mixtral, Qwen2-MoE, Llama; GLM-4-MoE without
     ``use_qk_norm``; GLM-4's GPT-J pairs): q, k, v [B, S, heads, D] are the projections' head
     views, RoPE'd as they are."""
 
     def prologue_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
-        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope)
+        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope, cache)
 
     return prologue_no_norm
 
@@ -248,10 +264,10 @@ def _search_tp(cache: str):
 
 def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial",
              rope: str = "neox") -> Variant:  # fmt: skip
-    name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" else "")
+    name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" or cache == "flat" else "")
     name += ("_full_rope" if rotary == "full" else "") + ("_gptj" if rope == "gptj" else "")
     if norm == "none":
-        search = _search_no_norm(rotary, rope)
+        search = _search_no_norm(rotary, rope, cache)
     else:
         search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
     params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope}
@@ -265,7 +281,11 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 # serving reference of ours writes it. No norm comes last, HF's code only: its pattern begins at
 # RoPE, so it also fits a normed attention whose norm another variant declined; every normed
 # variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
-# GPT-J pairs: HF's GLM-4 (partial) and Helium (full) only, both without q/k norms.
+# GPT-J pairs: HF's GLM-4 (partial) and Helium (full) only, both without q/k norms. HF's
+# continuous batching (``hf_flat``): the same HF code, its flat cache written at slots, NeoX RoPE,
+# per-head norms (plain or Gemma) or none.
+_FLAT_NORMED = tuple(_variant(norm, "hf", "flat", rotary=rotary) for norm in ("per_head", "qwen")
+                     for rotary in ("partial", "full"))  # fmt: skip
 VARIANTS = (
     tuple(
         _variant(norm, layout, cache)
@@ -275,7 +295,9 @@ VARIANTS = (
     + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen"))
     + (_variant("per_head", "hf"), _variant("per_head", "hf", rotary="full"))
     + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
+    + _FLAT_NORMED
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
+    + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
     + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
 )
 
@@ -297,19 +319,21 @@ def example_inputs(variant: Variant, combo) -> list:
 
     lead = (1, _T) if p["layout"] == "hf" else (_T,)
     rot = _D if p["rotary"] == "full" else _ROT
+    # HF's static cache [1, kv_heads, len, D], or continuous batching's flat one [slots, kv_heads, D]
+    hf_cache = (_BLOCKS * _BS, _HKV, _D) if p["cache"] == "flat" else (1, _HKV, _BLOCKS * _BS, _D)
+    # v: HF's head view [B, S, kv_heads, D] (static cache), else the projection [..., kv_heads * D]
+    v_shape = (*lead, _HKV, _D) if p["layout"] == "hf" and p["cache"] != "flat" else (*lead, _HKV * _D)
     if p["norm"] == "none":  # HF's layout only
-        q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*lead, _HKV, _D)
-        k_cache, v_cache = r(1, _HKV, _BLOCKS * _BS, _D), r(1, _HKV, _BLOCKS * _BS, _D)
-        return [q, k, v, r(1, _T, rot), r(1, _T, rot), k_cache, v_cache, torch.arange(_T)]
+        q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*v_shape)
+        return [q, k, v, r(1, _T, rot), r(1, _T, rot), r(*hf_cache), r(*hf_cache), torch.arange(_T)]
     if p["norm"] == "minimax":
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
         q, k, qw, kw = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(_D), r(_D)
-    v = r(*lead, _HKV, _D) if p["layout"] == "hf" else r(*lead, _HKV * _D)
+    v = r(*v_shape)
     if p["layout"] == "hf":
         cos, sin = r(1, _T, rot), r(1, _T, rot)
-        k_cache, v_cache = r(1, _HKV, _BLOCKS * _BS, _D), r(1, _HKV, _BLOCKS * _BS, _D)
-        return [q, k, v, qw, kw, cos, sin, k_cache, v_cache, torch.arange(_T), _EPS]
+        return [q, k, v, qw, kw, cos, sin, r(*hf_cache), r(*hf_cache), torch.arange(_T), _EPS]
     cos, sin = torch.randn(_T, rot // 2), torch.randn(_T, rot // 2)
     cache_dtype = FP8 if p["cache"] == "fp8" else act
     k_cache = torch.zeros(_BLOCKS, _BS, _HKV, _D, dtype=cache_dtype)
@@ -626,9 +650,10 @@ def _pairs_reason(values, rot: int, head_dim: int, rotary: str) -> Reason:
 
 def _cache_reason(values, p, kv_heads: int, head_dim: int) -> Reason:
     k_cache, v_cache, where = values["k_cache"], values["v_cache"], values["where"]
+    rank = 3 if p["cache"] == "flat" else 4
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or not cache.is_contiguous():
-            return f"{name} {tuple(cache.shape)} is not a contiguous 4-D cache (strides {cache.stride()})"
+        if cache.dim() != rank or not cache.is_contiguous():
+            return f"{name} {tuple(cache.shape)} is not a contiguous {rank}-D cache (strides {cache.stride()})"
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         return f"the K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}"
     heads_axis = 1 if p["layout"] == "hf" else 2
@@ -676,14 +701,17 @@ def replacement(variant: Variant, lowering: str):
 
     def fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale, v_scale, q_var, k_var):
         head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
-        lead = v.shape[:-2] if p["layout"] == "hf" else v.shape[:-1]
+        lead = v.shape[:-2] if p["layout"] == "hf" and p["cache"] != "flat" else v.shape[:-1]
         # Token counts as -1, never computed: under dynamic shapes a size expression of ours could
         # be bound to an equal one computed later in the graph (another layer's), a cycle.
         if p["layout"] == "hf":  # cat(freqs, freqs) rows, [B or 1, S]; slot = batch * max_len + position
             half = cos.shape[-1] // 2
             cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
             max_len = k_cache.shape[2]
-            slots = where if lead[0] == 1 else (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
+            if lead[0] == 1 or p["cache"] == "flat":  # one sequence, or flat slots already
+                slots = where
+            else:
+                slots = (torch.arange(lead[0], device=where.device)[:, None] * max_len + where).reshape(-1)
         else:
             slots = where
         # The TP variants hand over the divided global variance (divisor 1); patterns/gqa_prologue_tp_variance.py
@@ -695,7 +723,8 @@ def replacement(variant: Variant, lowering: str):
             v=v.reshape(-1, kv_heads, head_dim),
             q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps, weight_offset=offset, full_width_norm=full_width,
             cos=cos, sin=sin, positions=None, k_cache=k_cache, v_cache=v_cache, slots=slots,
-            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf", **variances, **rounding,
+            k_scale=k_scale, v_scale=v_scale, cache_heads_first=p["layout"] == "hf" and p["cache"] != "flat",
+            **variances, **rounding,
         )  # fmt: skip
         if p["layout"] == "hf":
             q_out = q_out.view(*lead, -1, head_dim).transpose(1, 2)
@@ -738,6 +767,15 @@ _THROUGH = (
     prims.convert_element_type.default, aten.clamp_min.default, aten.clamp_max.default, aten.div.Tensor,
     aten.permute.default, aten.reshape.default, aten.view.default, aten.clone.default,
 )  # fmt: skip
+
+
+def _passes_through(node) -> bool:
+    """A node the K rows pass through on their way to the cache: a cast or view (``_THROUGH``),
+    or continuous batching's ``squeeze(0)`` of its packed sequence (a squeeze of another dim, as
+    DeepSeek's indexer squeezes its one head, stops the walk: that cache is no GQA site)."""
+    if getattr(node, "target", None) is aten.squeeze.dim:
+        return node.args[1] == 0
+    return getattr(node, "target", None) in _THROUGH
 
 
 def _rotates_pairs_hf(node) -> bool:
@@ -806,14 +844,14 @@ def _halves_of_one_rotation(first, second) -> bool:
     return a is not None and a == b
 
 
-def _roped_rows(node, static_cache: bool) -> bool:
+def _roped_rows(node, hf_cache: bool) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
         if _rotation(node):
             # HF's rotation written as it is (full RoPE: no pass-through to cat back): a site
-            # written to HF's static cache (the no-norm variants' layout), or after a q/k norm.
-            return static_cache or _normed(node)
+            # written to one of HF's caches (the no-norm variants' layouts), or after a q/k norm.
+            return hf_cache or _normed(node)
         if node.target is aten.cat.default:
             # [rotated | passed through], or a rotation's own two halves (full rotary). The
             # latter is a candidate (a near miss: RoPE on all dims) only after a q/k norm:
@@ -822,7 +860,7 @@ def _roped_rows(node, static_cache: bool) -> bool:
             if len(parts) != 2 or not _is_rotation(parts[0]):
                 return False
             return not _halves_of_one_rotation(*parts) or _normed(parts[0])
-        if node.target not in _THROUGH:
+        if not _passes_through(node):
             return False
         node = node.args[0]
     return False
@@ -835,12 +873,25 @@ def _static_cache_write(node: torch.fx.Node) -> bool:
     return len(indices) == 3 and indices[0] is None and indices[1] is None
 
 
+def _flat_cache_write(node: torch.fx.Node) -> bool:
+    """HF continuous batching's write: ``index_copy_(0, slots, rows)`` into a flat [slots,
+    kv_heads, D] cache that is itself a graph value (serving code flattens a paged cache with a
+    view first), an ``index_put`` at ``[slots]``."""
+    cache = node.args[0]
+    return (len(node.args[1]) == 1 and len(val_shape(cache) or ()) == 3
+            and getattr(cache, "target", None) not in (aten.reshape.default, aten.view.default))  # fmt: skip
+
+
+def _hf_cache_write(node: torch.fx.Node) -> bool:
+    return _static_cache_write(node) or _flat_cache_write(node)
+
+
 def is_site(node: torch.fx.Node) -> bool:
     return (
         node.op == "call_function"
         and node.target is aten.index_put.default
         and len(node.args) >= 3
-        and _roped_rows(node.args[2], _static_cache_write(node))
+        and _roped_rows(node.args[2], _hf_cache_write(node))
     )
 
 
@@ -871,7 +922,7 @@ def _rotary_dim(rows: torch.fx.Node, head_dim: int) -> int:
         if getattr(node, "target", None) is aten.cat.default and len(node.args[0]) == 2:
             rotated = (val_shape(node.args[0][0]) or (head_dim,))[-1]
             return head_dim if _halves_of_one_rotation(*node.args[0]) else rotated
-        if getattr(node, "target", None) not in _THROUGH:
+        if not _passes_through(node):
             break
         node = node.args[0]
     return head_dim
@@ -933,9 +984,10 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     pairs = _interleaved_pairs(rows) if isinstance(rows, torch.fx.Node) else None
     if pairs is not None:
         return _pairs_departure(rows, pairs)
-    if isinstance(rows, torch.fx.Node) and not _normed(rows) and not _static_cache_write(anchor):
+    if isinstance(rows, torch.fx.Node) and not _normed(rows) and not _hf_cache_write(anchor):
         return rows, ("k has no RMS norm between its projection and its RoPE, and is written to a paged cache: the "
-                      "fused GQA prologue takes an attention without q/k norms in HF's code (static cache) only")  # fmt: skip
+                      "fused GQA prologue takes an attention without q/k norms in HF's code (its static cache, or "
+                      "continuous batching's flat one) only")  # fmt: skip
     head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
     norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
     if norm is None or head_dim is None or norm["width"] is None:
@@ -943,11 +995,11 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     per_head = norm["width"] == head_dim
     rotary = _rotary_dim(rows, head_dim)
     if per_head and not norm["gemma"]:
-        if any(i is None for i in anchor.args[1]):
-            return None  # HF's static-cache write: the per_head variants take it; another departure
+        if _hf_cache_write(anchor):
+            return None  # HF's static or flat cache: the per_head variants take it; another departure
         return rows, (f"q/k are RMS-normalised per head with a plain weight (x * w), then RoPE over {rotary} of "
                       f"{head_dim} dims, written to a paged cache: the fused GQA prologue takes that norm in HF's "
-                      "code (static cache) only")  # fmt: skip
+                      "code (its static cache, or continuous batching's flat one) only")  # fmt: skip
     if per_head or not norm["gemma"]:
         return None  # Qwen3.5's per-head Gemma norm or MiniMax's full-width one: another departure
     return rows, (f"q/k are RMS-normalised over the whole projection ({norm['width']} wide) with Gemma's (1 + w) "

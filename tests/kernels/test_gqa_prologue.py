@@ -2,7 +2,8 @@
 
 CPU tier: under TRITON_INTERPRET=1 (tests/conftest.py). q/k/v are [T, heads, D] views of one
 fused qkv tensor (row stride > width; with ``gated`` q sits inside Qwen3.5's per-head [q | gate]
-rows, head stride 2D), caches are paged or HF's heads-first static layout, poisoned outside the
+rows, head stride 2D), caches are paged, HF's heads-first static layout or HF continuous
+batching's flat [slots, kv_heads, D] (the op hands the kernel blocks of one row), poisoned outside the
 written slots and checked unchanged there, slots include -1; cos / sin are fp32 tables read at
 positions (vLLM) or per-token rows in the activation dtype (HF; with ``cos_rows`` fewer rows than
 tokens, each serving the tokens t with t % rows equal: HF's [1, S] position_ids broadcast over the
@@ -69,6 +70,8 @@ def _run(c, config=None):
     heads_first = c.get("heads_first", False)
     cache_dtype = FP8 if c["fp8"] else act
     shape = (blocks, hkv, block_size, d) if heads_first else (blocks, block_size, hkv, d)
+    flat = c.get("flat", False)  # HF continuous batching: one row a slot
+    shape = (blocks * block_size, hkv, d) if flat else shape
     k_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
     v_cache = torch.randn(*shape, generator=gen).to(cache_dtype).to(DEVICE)
     slots = torch.randperm(blocks * block_size, generator=gen)[:t]
@@ -89,7 +92,8 @@ def _run(c, config=None):
     q_ref = gqa_prologue_reference(*args, k_ref, v_ref, *tail, pairs)
     q_out = torch.full((t, hq, d), float("nan"), dtype=act, device=DEVICE)
     pristine = k_cache.clone(), v_cache.clone()
-    K.gqa_prologue_fwd(*args, k_cache, v_cache, *tail, q_out, config=config, interleaved_rope=pairs)
+    kernel_caches = [ops.paged_view(x, False) if flat else x for x in (k_cache, v_cache)]  # as the op's body does
+    K.gqa_prologue_fwd(*args, *kernel_caches, *tail, q_out, config=config, interleaved_rope=pairs)
     _assert_against_float64(q_out, k_cache, v_cache, pristine, args, tail, pairs)
     if act == torch.float32:  # fp32: another summation order is another last bit; float64 decides
         return
@@ -266,6 +270,52 @@ def test_hf_gptj_pairs_without_qk_norms(rotary_dim):
     _run({**c, "cos_rows": 2, "dtype": torch.float32})
     _run(c, _head_blocks_of(32))
     _run({**c, "heads_first": False, "hf_angles": False, "round_rope": False, "fp8": True})
+
+
+@pytest.mark.parametrize("norm", ["none", "per_head", "gemma"])
+def test_hf_continuous_batching_flat_cache(norm):
+    """HF's ``generate_batch``: HF's prologue (no q/k norms as Qwen2 / Llama, Qwen3's plain per-head
+    norm, or a Gemma one), full NeoX RoPE in the activation dtype, K / V written into a flat [slots,
+    kv_heads, D] cache at slots. bf16 and fp32 against float64 and the reference, RoPE over half
+    the head as well."""
+    c = dict(tokens=5, kv_heads=2, group=2, head_dim=32, rotary_dim=32, seed=23, fp8=False, full_width=False,
+             offset=norm == "gemma", hf_angles=True, round_rope=True, no_norm=norm == "none", flat=True,
+             round_normalized=norm == "per_head")  # fmt: skip
+    _run(c)
+    _run({**c, "cos_rows": 5, "dtype": torch.float32, "rotary_dim": 16})
+
+
+def test_padding_tokens_share_a_trash_slot_of_a_flat_cache():
+    """HF's continuous batching pads the step and writes every padding token to one trash slot
+    (never read back): the op writes the real slots as the reference does, and the trash slot
+    with one of the padding tokens' rows, as ``index_copy_`` with repeated indices does."""
+    from fusion_compiler.ops.gqa_prologue import _cuda
+
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hkv, d, trash = 6, 4, 2, 32, 19
+    q = torch.randn(t, hq, d, generator=gen).bfloat16().to(DEVICE)
+    k, v = (torch.randn(t, hkv, d, generator=gen).bfloat16().to(DEVICE) for _ in range(2))
+    angles = torch.rand(t, d // 2, generator=gen) * 6.28
+    cos, sin = angles.cos().bfloat16().to(DEVICE), angles.sin().bfloat16().to(DEVICE)
+    slots = torch.tensor([7, 2, 11, trash, trash, trash]).to(DEVICE)
+    cache = torch.randn(20, hkv, d, generator=gen).bfloat16().to(DEVICE)
+    caches, ref_caches = [cache.clone(), cache.clone()], [cache.clone(), cache.clone()]
+    args = [q, k, v, None, None, 1e-6, 0.0, False, cos, sin, None]
+    tail = [slots, 1.0, 1.0, False, None, None, 1.0, False, True]
+    q_out = _cuda(*args, *caches, *tail)
+    q_ref = gqa_prologue_reference(*args, *ref_caches, *tail)
+    _assert_bf16_close(q_out, q_ref, "q_out")
+    # Each token's own K / V rows: the reference on a scratch cache, one slot a token.
+    rows = [torch.zeros_like(cache), torch.zeros_like(cache)]
+    gqa_prologue_reference(*args, *rows, torch.arange(t).to(DEVICE), *tail[1:])
+    others = torch.ones(20, dtype=torch.bool)
+    others[slots.cpu()] = False
+    for got, want, own in zip(caches, ref_caches, rows):
+        got, want, own = got.cpu(), want.cpu(), own.cpu()
+        _assert_bf16_close(got[slots[:3].cpu()], want[slots[:3].cpu()], "real slots")
+        assert torch.equal(got[others].view(torch.int16), cache[others].cpu().view(torch.int16))
+        diffs = [(got[trash].float() - own[i].float()).abs().max().item() for i in range(3, t)]
+        assert min(diffs) <= 2 ** -6 * own[3:t].abs().max().item(), f"trash slot is no padding row: {diffs}"
 
 
 def test_kernel_version_registered():

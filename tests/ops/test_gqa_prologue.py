@@ -349,3 +349,58 @@ def test_interleaved_pairs_are_hf_glm4_s_rope_in_float64():
     got = op._rope(x, freqs.cos(), freqs.sin(), rot, False, interleaved=True)
     assert relative_error(got, want.transpose(0, 1)) < 1e-7
     assert relative_error(op._rope(x, freqs.cos(), freqs.sin(), rot, False), want.transpose(0, 1)) > 0.1
+
+
+@pytest.mark.parametrize("norm", ["none", "per_head"])
+def test_a_flat_cache_is_hf_continuous_batching_s_write_bit_for_bit(norm):
+    """HF's continuous batching (``generate_batch``): one packed [1, T] step, Qwen2's prologue (no
+    q/k norms) or Qwen3's (``Qwen3RMSNorm`` per head), HF's ``apply_rotary_pos_emb``, then
+    ``cache.index_copy_(0, slots, k.transpose(1, 2).squeeze(0))`` into a flat [slots, kv_heads, D]
+    cache, the padding tokens all at one trash slot. On a flat cache the op (and its canonical
+    decomposition) writes eager's bits at every real slot and leaves every other row alone; the
+    trash slot holds a padding row. A flat cache with ``cache_heads_first`` is an error."""
+    from transformers.models.qwen3 import modeling_qwen3 as hf
+
+    tokens, heads, kv_heads, d, trash = 6, 4, 2, 32, 21
+    gen = torch.Generator().manual_seed(13)
+    q_in = (torch.randn(1, tokens, heads, d, generator=gen) * 3).bfloat16()
+    k_in, v_in = ((torch.randn(1, tokens, kv_heads, d, generator=gen) * 3).bfloat16() for _ in range(2))
+    weights = {}
+    if norm == "per_head":
+        q_norm, k_norm = hf.Qwen3RMSNorm(d, 1e-6).bfloat16(), hf.Qwen3RMSNorm(d, 1e-6).bfloat16()
+        for w in (q_norm.weight, k_norm.weight):
+            w.data = (torch.randn(d, generator=gen) * 0.3 + 1).bfloat16()
+        with torch.no_grad():
+            q_normed, k_normed = q_norm(q_in), k_norm(k_in)
+        weights = {"q_norm_weight": q_norm.weight.data, "k_norm_weight": k_norm.weight.data, "round_normalized": True}
+    else:
+        q_normed, k_normed = q_in, k_in
+    freqs = torch.rand(1, tokens, d // 2, generator=gen) * 100
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    q_hf, k_hf = hf.apply_rotary_pos_emb(q_normed.transpose(1, 2), k_normed.transpose(1, 2), cos, sin)
+    slots = torch.tensor([3, 17, 4, trash, trash, trash])
+    cache = torch.randn(24, kv_heads, d, generator=gen).bfloat16()
+    hf_k, hf_v = cache.clone(), cache.clone()
+    hf_k.index_copy_(0, slots, k_hf.transpose(1, 2).squeeze(0))
+    hf_v.index_copy_(0, slots, v_in.squeeze(0))
+    named = {
+        **op.DEFAULTS, "q": q_in.view(tokens, heads, d), "k": k_in.view(tokens, kv_heads, d),
+        "v": v_in.view(tokens, kv_heads, d), "q_norm_weight": None, "k_norm_weight": None, "eps": 1e-6,
+        "weight_offset": 0.0, "full_width_norm": False, "cos": cos[0, :, : d // 2], "sin": sin[0, :, : d // 2],
+        "positions": None, "k_cache": cache.clone(), "v_cache": cache.clone(), "slots": slots, "k_scale": 1.0,
+        "v_scale": 1.0, "cache_heads_first": False, "round_rope_products": True, **weights,
+    }  # fmt: skip
+    q_out = op.gqa_prologue_reference(**{n: named[n] for n in op.ARG_NAMES})
+    assert torch.equal(q_out, q_hf.transpose(1, 2).reshape(tokens, heads, d))
+    real = slots[:3]
+    others = torch.ones(24, dtype=torch.bool)
+    others[slots] = False
+    q_canon, k_canon, v_canon = op.gqa_prologue_canonical(**{**named, "k_cache": cache.clone(), "v_cache": cache.clone()})
+    assert torch.equal(q_canon, q_out)
+    for got, want in ((named["k_cache"], hf_k), (named["v_cache"], hf_v), (k_canon, hf_k), (v_canon, hf_v)):
+        assert got.shape == cache.shape
+        assert torch.equal(got[real], want[real]) and torch.equal(got[others], cache[others])
+    assert any(torch.equal(named["k_cache"][trash], k_hf.transpose(1, 2)[0, i]) for i in range(3, tokens))
+    with pytest.raises(ValueError, match="cache_heads_first must be False"):
+        op.gqa_prologue_reference(**{**{n: named[n] for n in op.ARG_NAMES}, "cache_heads_first": True})

@@ -206,7 +206,7 @@ def test_per_head_norm_where_full_width_is_expected_does_not_match():
 def test_rope_without_a_qk_norm_into_a_paged_cache_is_a_miss_in_words():
     """No q/k norm fuses in HF's code (Mixtral, GLM-4-MoE without use_qk_norm:
     tests/patterns/test_gqa_prologue_hf_models.py); serving code's paged cache is a miss in words."""
-    assert_missed(_near_miss("none"), "k has no RMS norm", "paged cache", "HF's code (static cache) only")
+    assert_missed(_near_miss("none"), "k has no RMS norm", "paged cache", "HF's code (its static cache, or continuous batching's flat one) only")
 
 
 def test_full_width_gemma_norm_where_per_head_is_expected_does_not_match():
