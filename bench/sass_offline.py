@@ -283,6 +283,27 @@ def gqa_gptj_launch(tokens: int) -> _Recorder:
     return captured_launch(K, "_gqa_prologue_kernel", lambda: K.gqa_prologue_fwd(*args, interleaved_rope=True))
 
 
+# Qwen3-8B (HF qwen3): q heads, kv heads, head_dim; per-head q/k norms, NeoX RoPE over the head
+GQA_FLAT_WIDTHS = (32, 8, 128)
+
+
+def gqa_flat_launch(tokens: int) -> _Recorder:
+    """gqa_prologue as ops/gqa_prologue.py launches it for HF continuous batching (variant
+    ``per_head.hf_flat_full_rope``): flat [slots, kv_heads, D] bf16 caches, blocks of one row,
+    per-token bf16 cos / sin rows, each RoPE product and sum rounded; padding rows share one slot."""
+    from fusion_compiler.kernels import gqa_prologue as K
+
+    heads, kv_heads, d = GQA_FLAT_WIDTHS
+    q, k, v = (torch.randn(tokens, h, d, dtype=BF16) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = (torch.empty(tokens + 1, kv_heads, d, dtype=BF16).unsqueeze(1) for _ in range(2))
+    cos, sin = torch.rand(tokens, d // 2, dtype=BF16), torch.rand(tokens, d // 2, dtype=BF16)
+    q_out = torch.empty(tokens, heads, d, dtype=BF16)
+    slots = torch.arange(tokens).clamp(max=tokens - 2) if tokens > 1 else torch.arange(tokens)
+    args = (q, k, v, torch.randn(d, dtype=BF16), torch.randn(d, dtype=BF16), 1e-6, 0.0, False, cos, sin, None,
+            k_cache, v_cache, slots, 1.0, 1.0, False, None, None, 1.0, False, True, q_out)  # fmt: skip
+    return captured_launch(K, "_gqa_prologue_kernel", lambda: K.gqa_prologue_fwd(*args))
+
+
 def half_fmas(compiled) -> list[str]:
     """The PTX's half-precision FMA instructions (``fma.rn.bf16``, ``fma.rn.f16``, their x2 forms)."""
     return re.findall(r"^\s*(fma\.\S*(?:bf16|f16)\S*\s.*?);?$", compiled.asm["ptx"], re.M)
@@ -432,7 +453,7 @@ def shipped_cases() -> list[tuple[str, str, object]]:
     """(label, kernel name, thunk returning its launch's recorders) for every shipped launch the
     check compiles: the GDN step at 1 and 64 sequences, both conv forms, and on vLLM's state layout; each model's router at 1,
     2 and 64 tokens, both of its kernels, and its routing from logits; MiniMax's and Qwen3.5's GQA
-    prologue at 1 and 4096 tokens, serving and HF paths (and HF GLM-4's GPT-J one); and the rest of kernels/ (issue 26):
+    prologue at 1 and 4096 tokens, serving and HF paths (and HF GLM-4's GPT-J one, and HF continuous batching's flat cache at 1 and 64); and the rest of kernels/ (issue 26):
     rms_norm (add_rms_norm at each model's hidden width, 1 and 64 tokens, plain at 1; Qwen3.5's
     gated norm), the MLA q and kv prologues (serving at 1 and 4096 tokens, HF at 1), the TP
     variance, skinny_gemm at bench/skinny_gemm_check.py's projections, decode_attention (each
@@ -454,6 +475,8 @@ def shipped_cases() -> list[tuple[str, str, object]]:
               for m in GQA_MODELS for t in (1, 4096) for hf in (False, True)]  # fmt: skip
     cases += [(f"gqa glm4 tokens={t} hf gptj", "_gqa_prologue_kernel",
                lambda t=t: {"_gqa_prologue_kernel": gqa_gptj_launch(t)}) for t in (1, 4096)]  # fmt: skip
+    cases += [(f"gqa qwen3 tokens={t} hf flat", "_gqa_prologue_kernel",
+               lambda t=t: {"_gqa_prologue_kernel": gqa_flat_launch(t)}) for t in (1, 64)]  # fmt: skip
     cases += [(f"add_rms_norm {m} hidden={n} tokens={t}", "_rms_norm_fwd_kernel",
                lambda n=n, t=t: rms_norm_launch(n, t, True)) for m, n in NORM_WIDTHS.items() for t in (1, 64)]  # fmt: skip
     cases += [(f"rms_norm {m} hidden={n} tokens=1", "_rms_norm_fwd_kernel", lambda n=n: rms_norm_launch(n, 1, False))
