@@ -30,6 +30,7 @@ import operator
 
 import torch
 
+from ..fx.explain import chain
 from ..fx.graph_walk import CASTS, RESHAPES, is_silu, target, val_shape
 from ..fx.module_paths import module_path
 from .site import Site
@@ -47,7 +48,12 @@ def _grouped_gemms() -> tuple:
 
 
 class _Miss(Exception):
-    """Why a site does not fuse (one sentence about the model's code)."""
+    """Why a site does not fuse (one sentence about the model's code), and the node it names
+    (the report's "stopped at"; the site's GEMM when None)."""
+
+    def __init__(self, reason: str, node: torch.fx.Node | None = None):
+        super().__init__(reason)
+        self.node = node
 
 
 def _is(node, *targets) -> bool:
@@ -80,7 +86,7 @@ def _permuted_weight(node, what: str) -> torch.fx.Node:
     """W for ``permute(W, [0, 2, 1])`` (HF's ``weight.transpose(-2, -1)``)."""
     if not (_is(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]):
         raise _Miss(f"the {what} weights are read as stored ({node.name}), i.e. as [E, in, out] (HF's "
-                    "is_transposed): the kernels read [E, out, in] rows")  # fmt: skip
+                    "is_transposed): the kernels read [E, out, in] rows", node)  # fmt: skip
     return node.args[0]
 
 
@@ -292,13 +298,14 @@ def fuse_moe_experts(graph: torch.fx.Graph) -> list[Site]:
         try:
             found, out = _site_args(gemm)
         except _Miss as miss:
-            site.reason = str(miss)
+            stopped = miss.node if isinstance(miss.node, torch.fx.Node) else gemm
+            site.reason, site.stopped_at, site.chain = str(miss), stopped.name, chain(gemm, stopped)
             continue
         args = (found["hidden"], found["ids"], found["weights"], found["gate_up"], found["down"])
         try:  # the op's argument checks, before the graph changes: a miss, not a crash
             out_val = op(*(a.meta["val"] for a in args))
         except ValueError as err:
-            site.reason = f"the fused op does not take this site: {err}"
+            site.reason, site.stopped_at, site.chain = f"the fused op does not take this site: {err}", gemm.name, chain(gemm, gemm)
             continue
         with graph.inserting_before(out):
             fused = graph.call_function(op, args)

@@ -28,6 +28,14 @@ named. Each variant fixes the rest of the math:
   for Qwen3-MoE and OLMoE).
 * ``softmax_fp32_weights``: softmax of the upcast logits, top-k, renormalised, the weights left in
   fp32 (HF Mixtral's ``MixtralTopKRouter``); with fp32 logits it is ``softmax``.
+* ``softmax_of_top_logits``: top-k of the (upcast) logits, softmax over those k, cast back (HF
+  GraniteMoE's ``GraniteMoeTopKRouter``): ``softmax``'s math, since softmax keeps the order and its
+  denominator cancels in the renormalisation. ``softmax_of_top_logits_in_dtype``: the same with the
+  top-k in the logits' dtype (HF gpt-oss's ``GptOssTopKRouter``; its router GEMM has a bias, an
+  ``addmm`` no GEMM form takes, so it fuses from the logits).
+
+A router picking its experts by ``max`` over the logits (PhiMoE's ``sparsemixer``) and one adding a
+correction bias to softmax scores (Ernie 4.5) are sites declined with a sentence (``explain``).
 
 Each routing math comes twice: with the router GEMM in front (``F.linear`` of the hidden
 states and the router weight, as an fp32 GEMM of upcast operands like DeepSeek's, or in the
@@ -43,6 +51,7 @@ computed as one more GEMM row.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -131,6 +140,20 @@ def softmax_fp32_weights(logits, top_k):
     return values / values.sum(dim=-1, keepdim=True), ids
 
 
+def softmax_of_top_logits(logits, top_k):
+    """Top-k of the fp32 logits, softmax over those k (HF GraniteMoE's ``GraniteMoeTopKRouter``):
+    softmax is monotone and its common denominator cancels, so this is ``softmax``'s math."""
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1).to(logits.dtype), ids
+
+
+def softmax_of_top_logits_in_dtype(logits, top_k):
+    """The same with the top-k taken in the logits' dtype, the softmax cast back to it
+    (HF gpt-oss's ``GptOssTopKRouter``, whose biased router GEMM stays outside: ``addmm``)."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=1, dtype=values.dtype), ids
+
+
 def fp32_gemm(hidden, router_weight):
     return torch.nn.functional.linear(hidden.float(), router_weight.float())
 
@@ -216,6 +239,8 @@ ROUTES = (
     ("softmax_fp32_weights", softmax_fp32_weights, {"scoring": "softmax", "weights_dtype": torch.float32}),
     ("softmax", softmax, {"scoring": "softmax"}),
     ("softmax_unnormalised", softmax_unnormalised, {"scoring": "softmax", **_UNNORMALISED}),
+    ("softmax_of_top_logits", softmax_of_top_logits, {"scoring": "softmax"}),
+    ("softmax_of_top_logits_in_dtype", softmax_of_top_logits_in_dtype, {"scoring": "softmax"}),
 )
 # Registration order is the order Inductor tries patterns at a node: the widest match first
 # (router GEMM + shared-expert gate, then the GEMM alone, then from the logits).
@@ -224,7 +249,8 @@ VARIANTS = (
         Variant(f"{name}+gemm+shared_gate", _with_shared_gate(_with_router_gemm(route, gemm)),
                 {**params, "gemm": "gemm", "shared_gate": True})
         for name, route, params in ROUTES
-        if params["scoring"] == "softmax"  # Qwen's gated shared expert sits beside softmax routing only
+        # Qwen's gated shared expert sits beside Qwen's softmax routing only
+        if params["scoring"] == "softmax" and "top_logits" not in name
     )
     + tuple(
         Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
@@ -474,39 +500,107 @@ def _function_name(node: torch.fx.Node, logits: torch.fx.Node) -> str:
     return f"{node.target.overloadpacket.__name__}({inputs})"
 
 
+def _router_logits(node) -> bool:
+    """A router GEMM's [tokens, experts] output (``mm``, or ``addmm`` of a biased router), through
+    dtype casts: the logits a router ranks as they are (GraniteMoE, gpt-oss)."""
+    while isinstance(node, torch.fx.Node) and node.target is torch.ops.prims.convert_element_type.default:
+        node = node.args[0]
+    return (isinstance(node, torch.fx.Node) and node.target in (aten.mm.default, aten.addmm.default)
+            and len(val_shape(node) or ()) == 2)  # fmt: skip
+
+
 def _ranked_scores(topk: torch.fx.Node) -> torch.fx.Node | None:
     """What a router's expert top-k ranks: its input, less a group mask (-inf where) and a
     correction bias. Scores other than sigmoid / softmax count only where they rank experts like
-    a router's: directly, or biased with the unbiased scores gathered at the chosen ids."""
+    a router's: directly, or biased with the unbiased scores gathered at the chosen ids. The
+    router GEMM's raw logits count too (GraniteMoE's and gpt-oss's softmax over the top k)."""
     source = topk.args[0]
     if getattr(source, "target", None) is aten.where.self:
         source = source.args[2]
     if getattr(source, "target", None) is not aten.add.Tensor:
-        return source if _scores_source(source) or _logits_of(source) is not None else None
+        ranked = _scores_source(source) or _logits_of(source) is not None or _router_logits(source)
+        return source if ranked else None
     ids = [u for u in topk.users if u.args[1] == 1]
     gathered = {u.args[0] for i in ids for u in i.users if u.target is aten.gather.default}
     return next((a for a in source.args if _scores_source(a) or (a in gathered and _logits_of(a) is not None)), None)
 
 
+def _picks_by_max(node: torch.fx.Node) -> bool:
+    """A ``max`` over the router GEMM's logits whose index picks an expert (gathered or scattered
+    at): PhiMoE's ``sparsemixer``, which picks its experts one at a time."""
+    if not _router_logits(node.args[0]):
+        return False
+    ids = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    picks = (aten.gather.default, aten.scatter.value, aten.scatter.src)
+    return any(u.target in picks for i in ids for u in i.users)
+
+
 def is_site(node: torch.fx.Node) -> bool:
     """The expert top-k of a router: top-k over scores, scores + bias, or scores masked to -inf
-    by group selection (DeepSeek). The scores are sigmoid or softmax of the logits, or another
-    elementwise function of them (a site the fused routing declines, naming the function). A
-    group's own top-k (over a reshaped view or group sums) is not a site."""
-    if node.op != "call_function" or node.target is not aten.topk.default:
+    by group selection (DeepSeek), or over the router GEMM's raw logits. The scores are sigmoid or
+    softmax of the logits, or another elementwise function of them (a site the fused routing
+    declines, naming the function). A group's own top-k (over a reshaped view or group sums) is
+    not a site. A router picking its experts by ``max`` over the logits (PhiMoE) is a site,
+    declined with its reason, anchored on its first ``max``."""
+    if node.op != "call_function":
         return False
-    return _ranked_scores(node) is not None
+    if node.target is aten.max.dim:
+        return _picks_by_max(node)
+    return node.target is aten.topk.default and _ranked_scores(node) is not None
+
+
+_SPARSEMIXER = ("the router picks its experts one at a time by max over the logits, weighting each by a softmax "
+                "over the experts within its jitter threshold (PhiMoE's sparsemixer), not by a top-k of sigmoid or "
+                "softmax scores")  # fmt: skip
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
-    """A router scoring its logits with neither sigmoid nor softmax; otherwise None (the guard's
-    reasons and Inductor's FailedMatch say where a router departs)."""
+    """A router whose math is none of the variants', in one sentence: experts picked by ``max``
+    (PhiMoE), a correction bias on softmax scores (Ernie 4.5), top-k logits weighted by another
+    function than a softmax, scores that are neither sigmoid nor softmax; otherwise None (the
+    guard's reasons and Inductor's FailedMatch say where a router departs)."""
+    if anchor.target is aten.max.dim:
+        return anchor, _SPARSEMIXER
     scores = _ranked_scores(anchor)
-    if scores is None or _scores_source(scores):
+    if scores is None:
+        return None
+    source = anchor.args[0]
+    if getattr(source, "target", None) is aten.add.Tensor and scores.target is aten.div.Tensor:
+        return source, _softmax_bias_reason(scores)
+    if _router_logits(scores):
+        return _top_logits_reason(anchor)
+    if _scores_source(scores):
         return None
     function = _function_name(scores, _logits_of(scores))
     return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
                     "over the experts")  # fmt: skip
+
+
+def _softmax_bias_reason(scores: torch.fx.Node) -> str:
+    """Ernie 4.5's routing: softmax scores + a correction bias for the choice (its renormalisation
+    named where it clamps the sum)."""
+    clamps = [u for g in scores.users if g.target is aten.gather.default
+              for s in g.users if s.target is aten.sum.dim_IntList
+              for u in s.users if u.target is aten.clamp_min.default]  # fmt: skip
+    renorm = f", and renormalises by clamp(sum, min={clamps[0].args[1]})" if clamps else ""
+    return (f"the router adds a correction bias to softmax scores to choose its experts{renorm}; the fused "
+            "routing's variants take a correction bias with sigmoid scores only")
+
+
+def _top_logits_reason(topk: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """Top-k of the raw logits, its values weighted by another function than a softmax over the
+    k, that function named; None where a reduction reads them (a softmax: the variants' reasons)."""
+    values = [u for u in topk.users if u.args[1] == 0]
+    if not values:
+        return topk, ("the router takes the top k of its raw logits and no weights from them; the fused routing "
+                      "weights them by a softmax over those k")  # fmt: skip
+    node = values[0]
+    while len(node.users) == 1 and _pointwise(next(iter(node.users))):
+        node = next(iter(node.users))
+    if any(u.target in (aten.amax.default, aten.sum.dim_IntList) for u in node.users):
+        return None
+    return node, (f"the router weights the top k of its raw logits as {_function_name(node, values[0])}; the fused "
+                  "routing weights them by a softmax over those k")  # fmt: skip
 
 
 FAMILY = Family(

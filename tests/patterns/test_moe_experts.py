@@ -155,6 +155,7 @@ def test_near_misses_are_reported_with_their_reason(make, reason):
     out, report = _compile(module, hidden, ids, weights)
     [site] = report.sites
     assert site.status == "missed" and reason in site.reason, site
+    assert site.stopped_at and site.chain, site  # the report names where the site left the spelling
     assert torch.equal(out, eager) or relative_error(out, eager) < 1e-2  # the site runs as written
 
 
@@ -201,5 +202,6 @@ def test_gpt_oss_experts_are_one_miss_with_its_reason():
     out, report = _compile(model, ids)
     [site] = [s for s in report.sites if s.family == "moe_experts"]
     assert site.status == "missed" and "is_transposed" in site.reason
+    assert site.stopped_at.startswith("arg") and "[stopped at None]" not in report.format()  # the stored weight
     assert experts_sites(model) == {}
     assert relative_error(out.logits, eager) < 1e-2

@@ -10,6 +10,9 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
   mask Inductor has rewritten into a compare; ``topk_group=1`` of 4 groups: the same compare,
   the mask copied before its reshape.
 - ``routed_scaling_factor`` 1 and 2.5; Mixtral's weights, kept in fp32.
+- Neighbouring HF routers with no code of theirs: GraniteMoE's and gpt-oss's top-k of the logits
+  then a softmax over those k fuse (against float64 too); PhiMoE's sparsemixer and Ernie 4.5's
+  biased softmax are declined in one sentence each.
 - Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
   that are neither sigmoid nor softmax; one group kept of several, groups scored by their best
   expert alone.
@@ -66,7 +69,8 @@ class Blocks(torch.nn.Module):
 
     def forward(self, x):
         for block in self.layers:
-            x = x + block(x)
+            y = block(x)
+            x = x + (y[0] if isinstance(y, tuple) else y)  # gpt-oss's block returns (out, router scores)
         return x
 
 
@@ -83,20 +87,24 @@ def _hf_blocks(model_type: str, block_class: str, fields: dict, layers: int = 2)
     with torch.no_grad():
         for name, p in blocks.named_parameters():
             # Router logits spread over a few units, so no two experts' scores are near a tie.
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if name.endswith("gate.weight") else 0.05))
+            router = name.endswith(("gate.weight", "router.weight"))
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if router else 0.05))
         for name, b in blocks.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return blocks.to(torch.bfloat16)
+    return blocks.to(torch.bfloat16).eval()  # PhiMoE's sparsemixer samples in training
 
 
 @functools.cache
 def _compiled(case: str):
     """(report, eager output, fused output) of a case, compiled once per module."""
     model_type, block_class, fields, _ = CASES[case]
-    blocks = _hf_blocks(model_type, block_class, fields)
-    expected = {FAMILY: {f"layers.{i}.gate": 1 for i in range(len(blocks.layers))}}
-    backend = fc.FusionBackend(_config_only(strict=True, expected=expected))
+    expected = {FAMILY: {f"layers.{i}.gate": 1 for i in range(2)}}
+    return _compiled_blocks(_hf_blocks(model_type, block_class, fields), fields, strict=True, expected=expected)
+
+
+def _compiled_blocks(blocks: Blocks, fields: dict, **config):
+    backend = fc.FusionBackend(_config_only(**config))
     x = torch.randn(1, 3, fields["hidden_size"], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -183,3 +191,105 @@ def test_near_misses_do_not_match_and_say_why(spelling, reason):
     order_f, order_e = ids_f.sort(-1), ids_e.sort(-1)
     assert torch.equal(order_f.values, order_e.values)
     torch.testing.assert_close(w_f.gather(1, order_f.indices), w_e.gather(1, order_e.indices))
+
+
+# Neighbouring HF routers, no code of theirs: (model, MoE block, config, router's module name,
+# the variant that must fuse both blocks' routers, or the reason both are declined with).
+_ERNIE = dict(_SOFTMAX, moe_num_experts=8, moe_k=2, moe_num_shared_experts=0)
+ZOO = {
+    # Top-k of the logits, softmax over those k: softmax -> top-k -> renormalise, one more spelling.
+    "granitemoe": ("granitemoe", "GraniteMoeMoE", _SOFTMAX, "router", "softmax_of_top_logits+gemm", None),
+    # The same in the logits' dtype; the router GEMM has a bias (addmm): fused from the logits.
+    "gpt_oss": ("gpt_oss", "GptOssMLP", _SOFTMAX, "router", "softmax_of_top_logits_in_dtype", None),
+    "phimoe": ("phimoe", "PhimoeSparseMoeBlock", _SOFTMAX, "router", None,
+               "the router picks its experts one at a time by max over the logits, weighting each by a softmax over "
+               "the experts within its jitter threshold (PhiMoE's sparsemixer), not by a top-k of sigmoid or softmax "
+               "scores"),
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ERNIE, "gate", None,
+                     "the router adds a correction bias to softmax scores to choose its experts, and renormalises by "
+                     "clamp(sum, min=1e-12); the fused routing's variants take a correction bias with sigmoid scores "
+                     "only"),
+}  # fmt: skip
+
+
+def _routing_variants(report) -> dict[str, int]:
+    return {v: n for v, n in report.per_variant().items() if v.startswith(("softmax", "sigmoid"))}
+
+
+@functools.cache
+def _compiled_zoo(case: str):
+    model_type, block_class, fields, _, _, _ = ZOO[case]
+    return _compiled_blocks(_hf_blocks(model_type, block_class, fields), fields)
+
+
+@pytest.mark.parametrize("case", list(ZOO))
+def test_neighbouring_hf_routers_fuse_or_say_why_in_one_sentence(case):
+    """One site per block's router: fused by the named variant, or declined with the sentence."""
+    report, eager, fused = _compiled_zoo(case)
+    _, _, _, router, variant, reason = ZOO[case]
+    modules = [f"layers.{i}.{router}" for i in range(2)]
+    if variant:
+        assert report.per_module(FAMILY) == dict.fromkeys(modules, 1)
+        assert _routing_variants(report) == {variant: 2}
+    else:
+        assert _routing_variants(report) == {}
+        assert [(m.module, m.reason) for m in report.misses(FAMILY)] == [(m, reason) for m in modules]
+    assert relative_error(fused, eager) < 1e-2
+
+
+@pytest.mark.parametrize("model_type, router_class, variant", [
+    ("granitemoe", "GraniteMoeTopKRouter", "softmax_of_top_logits"),
+    ("gpt_oss", "GptOssTopKRouter", "softmax_of_top_logits_in_dtype"),
+])  # fmt: skip
+def test_top_logits_softmax_routes_like_float64(model_type, router_class, variant):
+    """The fused routing of a top-k-then-softmax router against the HF router in float64, on
+    fresh random weights and tokens: the same experts, weights within bf16 rounding."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    router = getattr(module, router_class)(AutoConfig.for_model(model_type, **_SOFTMAX))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    router = router.to(torch.bfloat16)
+    x = torch.randn(7, _SOFTMAX["hidden_size"], generator=gen).to(torch.bfloat16)
+    backend = fc.FusionBackend(_config_only())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(router, backend=backend)(x)
+        ref = router.double()(x.double())
+    assert _routing_variants(backend.report) == {variant: 1}
+    (w, ids), (w64, ids64) = _weights_ids(model_type, out), _weights_ids(model_type, ref)
+    order, order64 = ids.sort(-1), ids64.sort(-1)
+    assert torch.equal(order.values, order64.values)
+    torch.testing.assert_close(w.gather(1, order.indices).double(), w64.gather(1, order64.indices), atol=8e-3, rtol=0)
+
+
+def _weights_ids(model_type: str, out) -> tuple:
+    """(weights, ids) of a router's outputs: GraniteMoE returns (ids, weights, logits), gpt-oss
+    (logits, weights, ids)."""
+    return (out[1], out[0]) if model_type == "granitemoe" else (out[1], out[2])
+
+
+class TopLogitsNearMiss(torch.nn.Module):
+    """GraniteMoE's router one step off: its top-k logits weighted by a sigmoid, not a softmax."""
+
+    def __init__(self, experts=8, hidden=32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        values, ids = torch.nn.functional.linear(x, self.weight).float().topk(2, dim=-1)
+        return torch.sigmoid(values).type_as(x), ids
+
+
+def test_top_logits_weighted_by_another_function_is_a_miss_that_names_it():
+    report, eager, fused = _compile_router(TopLogitsNearMiss())
+    assert report.per_variant() == {}
+    [miss] = report.misses(FAMILY)
+    assert miss.reason == ("the router weights the top k of its raw logits as sigmoid(logits); the fused routing "
+                           "weights them by a softmax over those k")  # fmt: skip
+    torch.testing.assert_close(fused, eager)
