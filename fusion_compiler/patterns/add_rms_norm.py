@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..fx.graph_walk import is_silu, target
 from ..fx.module_paths import module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import rms_norm as rms_norm_ops
@@ -265,6 +266,9 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     if not (square.target is aten.pow.Tensor_Scalar and square.args[1] == 2):
         return mean, f"the mean is over {square.target}, not x**2"
     upcast = square.args[0]
+    reason = _not_x_itself(upcast)
+    if reason:
+        return upcast, reason
     scaled = [u for u in anchor.users if u.target is aten.mul.Tensor and upcast in u.args]
     core = {upcast, square, mean, arg, anchor, *scaled}
     for node in (upcast, square, mean, arg, anchor):
@@ -279,6 +283,18 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
         leaving = [n for n in inside if any(u not in members for u in n.users)]
         for node in leaving[:-1]:
             return _escapes(node, [u for u in node.users if u not in members])
+    return None
+
+
+def _not_x_itself(squared: torch.fx.Node) -> Reason:
+    """What a norm squares where it is not x (or x upcast), in model terms: x less its mean
+    (Cohere's LayerNorm), or x times an activated gate (Mamba2's gated norm, gate first)."""
+    if squared.target is aten.sub.Tensor and target(squared.args[1]) is aten.mean.dim:
+        if squared.args[1].args[0] is squared.args[0]:
+            return "the norm subtracts the mean of x before normalising (a LayerNorm, not an RMSNorm)"
+    if squared.target is aten.mul.Tensor and any(is_silu(a) for a in squared.args):
+        return ("the norm normalises x · silu(gate), the gate applied before the norm (Mamba2's gated RMSNorm), "
+                "where the fused norms take x and gated_rms_norm gates after the norm")
     return None
 
 

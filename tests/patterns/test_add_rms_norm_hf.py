@@ -97,3 +97,55 @@ def test_per_layer_counts_by_kind():
     per_layer = qwen.report.per_layer(FAMILY)
     for i, kind in enumerate(qwen.kinds):
         assert per_layer[i] == (4 if kind == "full_attention" else 3), (i, kind)
+
+
+class _Norms(torch.nn.Module):
+    """Two of an HF norm module, as two layers: ``layers.{i}.norm``, a gate where it takes one."""
+
+    def __init__(self, make, gated: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"norm": make()}) for _ in range(2))
+        self.gated = gated
+
+    def forward(self, x, gate):
+        for layer in self.layers:
+            x = x + (layer["norm"](x, gate) if self.gated else layer["norm"](x))
+        return x
+
+
+def _hf_norm(model_type: str, cls: str):
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return lambda: getattr(module, cls)(64)
+
+
+@pytest.mark.parametrize("model_type, cls, gated, reason", [
+    ("cohere", "CohereLayerNorm", False,
+     "the norm subtracts the mean of x before normalising (a LayerNorm, not an RMSNorm)"),
+    ("bamba", "BambaRMSNormGated", True,
+     "the norm normalises x · silu(gate), the gate applied before the norm (Mamba2's gated RMSNorm), where the fused "
+     "norms take x and gated_rms_norm gates after the norm"),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", True,
+     "the norm normalises x · silu(gate), the gate applied before the norm (Mamba2's gated RMSNorm), where the fused "
+     "norms take x and gated_rms_norm gates after the norm"),
+])  # fmt: skip
+def test_norms_that_are_not_rms_norms_of_x_say_what_they_are(model_type, cls, gated, reason):
+    """HF norm modules no variant takes: one miss per module, its reason one sentence about the
+    model's math (not a matcher's node names); gated_rms_norm claims none; the model runs as written."""
+    norms = _Norms(_hf_norm(model_type, cls), gated).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    x, gate = (torch.randn(1, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    backend = fc.FusionBackend(fc.FusionConfig(
+        default_lowering="off", families={FAMILY: "triton", "gated_rms_norm": "triton"}, horizontal_merge=False,
+        merge_projections=False, skinny_gemm=False, decode_attention=False, dsa_topk_mask=False))  # fmt: skip
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = norms(x, gate)
+        fused = torch.compile(norms, backend=backend)(x, gate)
+    report = backend.report
+    assert report.per_variant() == {}
+    assert [(m.family, m.module, m.reason) for m in report.misses()] == [
+        (FAMILY, f"layers.{i}.norm", reason) for i in range(2)
+    ]
+    assert relative_error(fused, eager) < 1e-2  # Inductor's own kernels, rounding apart from eager's
