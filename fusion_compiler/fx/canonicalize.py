@@ -14,6 +14,11 @@ local ``x32.pow(2).mean(-1)`` that is reduced, and ``x32 * rsqrt(variance + eps)
 A pattern of the tail alone cannot hold a node with a user outside it, so the local side gets
 its own upcast (the same value; Inductor fuses each copy into its reader).
 
+A constant negative index counts from the end: HF's sliding-window static cache, once full,
+rolls its rows and writes the new token at ``torch.tensor([-1])`` (``full([1], -1)`` here),
+which ``index_put`` reads as the last row. A fused write taking that -1 for a padding slot (no
+write) would drop the token, so such an index becomes its non-negative equivalent.
+
 Two spellings depend on layouts and devices, not on the math. A ``zeros_like`` of a transposed
 tensor is a permuted ``full`` or a plain one, as the strides of its input fall (HF's GDN output
 buffer at batch 1 and at batch 2): a constant's layout is not the model's math, so a permuted
@@ -45,6 +50,7 @@ _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Returns the number of nodes rewritten."""
     changed = _one_placeholder_per_symbol(graph)
+    wrapped: dict = {}
     online = _online_softmax_op()
     online_softmaxes = []
     for node in graph.nodes:
@@ -62,7 +68,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
             changed += _static_shape(node)
         elif node.target is aten.index_put.default and len(node.args) >= 3:
-            changed += _unsqueezed_put_values(node)
+            changed += _unsqueezed_put_values(node) + _wrapped_constant_indices(graph, node, wrapped)
         elif node.target is prims.convert_element_type.default and len(node.users) > 1:
             changed += _own_upcast_before_collective(node)
         elif node.target is aten.permute.default and getattr(node.args[0], "target", None) is aten.full.default:
@@ -118,6 +124,33 @@ def _unsqueezed_put_values(node: torch.fx.Node) -> int:
         return 0
     node.args = (node.args[0], node.args[1], source, *node.args[3:])
     return 1
+
+
+def _wrapped_constant_indices(graph: torch.fx.Graph, node: torch.fx.Node, wrapped: dict) -> int:
+    """``index_put(x, [..., full(shape, c), ...], v)`` with an integer ``c < 0``: the same write at
+    ``c + size`` (``size`` the indexed dim's, when static and ``-size <= c``). The new ``full``
+    is shared by every write that shared the old one at that size (``wrapped``: (old node,
+    size) -> new node), as HF's K and V writes share theirs: a pattern of both binds one index."""
+    target, indices = val_shape(node.args[0]), list(node.args[1])
+    changed = 0
+    for dim, index in enumerate(indices):
+        if getattr(index, "target", None) is not aten.full.default or target is None or dim >= len(target):
+            continue
+        fill, size = index.args[1], target[dim]
+        if not (isinstance(fill, int) and not isinstance(fill, bool) and isinstance(size, int) and -size <= fill < 0):
+            continue
+        if (index, size) not in wrapped:
+            with graph.inserting_after(index):
+                new = graph.call_function(aten.full.default, (index.args[0], fill + size), dict(index.kwargs))
+            new.meta = {**index.meta}
+            if "val" in index.meta:
+                new.meta["val"] = torch.full_like(index.meta["val"], fill + size)
+            wrapped[index, size] = new
+        indices[dim] = wrapped[index, size]
+        changed += 1
+    if changed:
+        node.args = (node.args[0], indices, *node.args[2:])
+    return changed
 
 
 def reshape_sizes(shape) -> list | None:
