@@ -1,16 +1,22 @@
 """GQA attention prologue: q/k RMSNorm (or none) + partial NeoX (or GPT-J) RoPE + the K/V cache
 write, one site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE,
-GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium) -> ``gqa_prologue``.
+GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium, OLMo-2 / OLMo-3, Gemma-3, Apertus, EXAONE-4) ->
+``gqa_prologue``.
 
-Three norms, each as its model writes it, and none:
+Four norms, each as its model writes it, and none:
 
 * ``minimax``: HF's ``MiniMaxM2RMSNorm`` over the **whole** q and k projections (6144 and 1024
   wide), then the head split;
+* ``olmo``: HF's ``Olmo2RMSNorm`` over the whole projections, ``(w * x·rstd).to(dtype)`` (one
+  rounding, where MiniMax's rounds x·rstd first), before RoPE on OLMo's fp32 cos / sin (its
+  rotary embedding does not cast them: fp32 products, ``.to(q_type)``; ``_fp32``);
 * ``qwen``: the Gemma ``x * (1 + w)`` norm per head, on q taken out of each head's
   [q | gate] row (the gate stays outside: ``* sigmoid(gate)`` after attention);
 * ``per_head``: HF's plain ``weight * (x * rstd).to(dtype)`` per head, weight [D]
   (``Qwen3MoeRMSNorm``, ``Glm4MoeRMSNorm`` with ``use_qk_norm``), in HF's layout only: full
-  RoPE (Qwen3-MoE) or partial (GLM-4-MoE, half the head);
+  RoPE (Qwen3-MoE) or partial (GLM-4-MoE, half the head). ``_transposed_norm`` (``qwen`` and
+  ``per_head``): the per-head norm run on the heads after their transpose, [B, heads, S, D]
+  (Gemma-3's Gemma norm; Apertus' and EXAONE-4's plain one);
 * ``none``: no q/k norm, the projections' head views RoPE'd as they are (HF's Mixtral,
   Qwen2-MoE, Llama: full RoPE; GLM-4-MoE with its default ``use_qk_norm=False``: half the head),
   in HF's layout only. Its pattern begins at RoPE, so it would also fit a normed attention with
@@ -63,8 +69,11 @@ the matched nodes: the RoPE's slice points (NeoX halves or GPT-J pairs, as the v
 dims of a pairwise repeat (``repeat_interleave`` and ``cat([x, x])`` trace alike but for one int),
 the norm's width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a
 norm in front. Not fused, said in words: GPT-J pairs after a q/k norm, in another spelling (fp32
-pair products) or turned by cos / sin not repeated pairwise, and no norm written to a paged cache
-(serving code).
+pair products, ERNIE-4.5's fp32 turn) or turned by cos / sin not repeated pairwise, no norm
+written to a paged cache (serving code), a q/k norm after the RoPE (HunYuan: in HF's caches a
+site, its rows a norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves
+written out (gpt-oss's ``_apply_rotary_emb``: in HF's static cache a site), MLA's decoupled RoPE
+key (MiniCPM3), and a norm and RoPE that no one variant takes together.
 """
 
 from __future__ import annotations
@@ -103,6 +112,8 @@ def normed_heads(x, weight, eps, norm: str, layout: str, head_dim):
         return add_rms_norm.gemma(x, weight, eps)
     if norm == "per_head":  # Qwen3-MoE, GLM-4-MoE: HF's plain norm on [..., heads, D]
         return add_rms_norm.hf(x, weight, eps)
+    if norm == "olmo":  # OLMo-2 / OLMo-3: the whole projection, w * x·rstd in fp32, one rounding
+        return split_heads(add_rms_norm.deepseek(x, weight, eps), layout, head_dim)
     normed = add_rms_norm.hf(x, weight, eps)  # MiniMax: the whole projection, then the split
     return split_heads(normed, layout, head_dim)
 
@@ -184,13 +195,17 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
     return q, write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
 
-def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str = "neox", cache: str = "bf16"):
+def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str = "neox", cache: str = "bf16",
+             transposed_norm: bool = False, rope_fp32: bool = False):  # fmt: skip
     """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype
     (NeoX halves, or GPT-J pairs as GLM-4 writes them), the static cache written at the
     positions ``where`` (``index_copy_`` along the sequence dim), or with ``cache="flat"``
     continuous batching's flat cache [slots, kv_heads, D] at the slots ``where``
     (``cache.index_copy_(0, slots, k.transpose(1, 2).squeeze(0))``, batch 1: its tokens packed;
-    v is then the projection [1, S, kv_heads * D])."""
+    v is then the projection [1, S, kv_heads * D]). ``transposed_norm``: q, k come transposed
+    already (their per-head norm ran on [B, heads, S, D], as Gemma-3 writes it). ``rope_fp32``:
+    cos / sin come in fp32 (OLMo-2's rotary embedding does not cast them), so the products are
+    fp32 and the rotated rows are rounded once (``.to(q_type)``)."""
     if rope == "gptj":
         rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
     else:
@@ -200,11 +215,15 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     # fit K's, and the matcher would bind both to it). HF transposes v's heads twice, before
     # attention and before the write; the post-grad graph has neither.
     v_rows = split_heads(v, "hf", k_cache.shape[-1]).squeeze(0) if flat else v.transpose(1, 2)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if not transposed_norm:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if rope == "gptj":
         cos, sin = pair_angles_hf(cos), pair_angles_hf(sin)
+    dtype = q.dtype
     q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
+    if rope_fp32:
+        q, k = q.to(dtype), k.to(dtype)
     if flat:
         k_cache = aten.index_put.default(k_cache, [where], k.transpose(1, 2).squeeze(0))
         return q, k_cache, aten.index_put.default(v_cache, [where], v_rows)
@@ -213,13 +232,17 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     return q, k_cache, v_cache
 
 
-def _search(norm: str, layout: str, cache: str, rotary: str = "partial"):
+def _search(norm: str, layout: str, cache: str, rotary: str = "partial", transposed_norm: bool = False,
+            rope_fp32: bool = False):  # fmt: skip
     def prologue(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, where, eps, k_scale=1.0, v_scale=1.0):
         head_dim = k_cache.shape[-1]
+        if transposed_norm:  # Gemma-3, Apertus, EXAONE-4: the per-head norm after the heads' transpose
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = normed_heads(q, q_weight, eps, norm, layout, head_dim)
         k = normed_heads(k, k_weight, eps, norm, layout, head_dim)
         if layout == "hf":  # where: the cache positions (static cache) or slots (flat)
-            return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, cache=cache)
+            return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, cache=cache, transposed_norm=transposed_norm,
+                            rope_fp32=rope_fp32)  # fmt: skip
         return _paged_rows(q, k, v, cos, sin, k_cache, v_cache, where, cache, k_scale, v_scale)  # where: the slots
 
     if cache != "fp8":  # no scale arguments to trace
@@ -263,14 +286,16 @@ def _search_tp(cache: str):
 
 
 def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial",
-             rope: str = "neox") -> Variant:  # fmt: skip
-    name = f"{norm}.{layout}" + ("_tp" if tp else "") + (f"_{cache}" if layout == "paged" or cache == "flat" else "")
-    name += ("_full_rope" if rotary == "full" else "") + ("_gptj" if rope == "gptj" else "")
+             rope: str = "neox", transposed_norm: bool = False, rope_fp32: bool = False) -> Variant:  # fmt: skip
+    name = f"{norm}.{layout}" + ("_transposed_norm" if transposed_norm else "") + ("_tp" if tp else "")
+    name += f"_{cache}" if layout == "paged" or cache == "flat" else ""
+    name += ("_full_rope" if rotary == "full" else "") + ("_gptj" if rope == "gptj" else "") + ("_fp32" if rope_fp32 else "")
     if norm == "none":
         search = _search_no_norm(rotary, rope, cache)
     else:
-        search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary)
-    params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope}
+        search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary, transposed_norm, rope_fp32)
+    params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope,
+              "transposed_norm": transposed_norm, "rope_fp32": rope_fp32}  # fmt: skip
     return Variant(name, search, params)
 
 
@@ -294,12 +319,19 @@ VARIANTS = (
     )
     + tuple(_variant(norm, "hf", rotary="full") for norm in ("minimax", "qwen"))
     + (_variant("per_head", "hf"), _variant("per_head", "hf", rotary="full"))
+    + tuple(_variant(norm, "hf", rotary=rotary, transposed_norm=True) for norm in ("per_head", "qwen")
+            for rotary in ("partial", "full"))
+    + (_variant("olmo", "hf", rope_fp32=True), _variant("olmo", "hf", rotary="full", rope_fp32=True))
     + tuple(_variant("minimax", "paged", cache, tp=True) for cache in ("fp8", "bf16"))
     + _FLAT_NORMED
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
     + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
     + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
 )
+
+# The norms over the whole q and k projections: MiniMax's rounds x·rstd before its weight multiply,
+# OLMo's multiplies in fp32 and rounds once (in fp32 models the two are one graph: MiniMax's fits).
+_FULL_WIDTH = ("minimax", "olmo")
 
 # ------------------------------------------------------------------------------------------
 # Example inputs (tiny, real structure: partial RoPE, GQA)
@@ -326,13 +358,14 @@ def example_inputs(variant: Variant, combo) -> list:
     if p["norm"] == "none":  # HF's layout only
         q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*v_shape)
         return [q, k, v, r(1, _T, rot), r(1, _T, rot), r(*hf_cache), r(*hf_cache), torch.arange(_T)]
-    if p["norm"] == "minimax":
+    if p["norm"] in _FULL_WIDTH:
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
         q, k, qw, kw = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(_D), r(_D)
     v = r(*v_shape)
     if p["layout"] == "hf":
-        cos, sin = r(1, _T, rot), r(1, _T, rot)
+        angles = torch.float32 if p["rope_fp32"] else act
+        cos, sin = r(1, _T, rot, dtype=angles), r(1, _T, rot, dtype=angles)
         return [q, k, v, qw, kw, cos, sin, r(*hf_cache), r(*hf_cache), torch.arange(_T), _EPS]
     cos, sin = torch.randn(_T, rot // 2), torch.randn(_T, rot // 2)
     cache_dtype = FP8 if p["cache"] == "fp8" else act
@@ -507,7 +540,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return reason
     q, cos, k_cache = values["q"], values["cos"], values["k_cache"]
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
-    heads = q.shape[-1] // head_dim if p["norm"] == "minimax" else q.shape[-2]
+    heads = q.shape[-1] // head_dim if p["norm"] in _FULL_WIDTH else q.shape[-2]
     rot = cos.shape[-1] if p["layout"] == "hf" else 2 * cos.shape[-1]
     if p["tp"]:
         reason = _tp_reason(values, heads * head_dim, kv_heads * head_dim)
@@ -543,21 +576,23 @@ def _dtype_reason(values, p) -> Reason:
         if dtype not in _ACTIVATION_DTYPES:
             return f"{name} is {dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32 (it computes in fp32)"
     q, cos = values["q"], values["cos"]
-    if p["layout"] == "hf" and cos.dtype != q.dtype:
+    if p["layout"] == "hf" and p["rope_fp32"] and cos.dtype != torch.float32:
+        return f"cos / sin are {cos.dtype}: this variant's RoPE multiplies by fp32 cos / sin (OLMo-2's) and rounds once"
+    if p["layout"] == "hf" and not p["rope_fp32"] and cos.dtype != q.dtype:
         return f"cos / sin are {cos.dtype}, q is {q.dtype}: HF's RoPE rounds its products in q's dtype"
     return None
 
 
 def _norm_reason(values, norm: str, heads: int, kv_heads: int, head_dim: int) -> Reason:
     widths = values["norm_widths"]
-    if norm == "minimax" and widths != {heads * head_dim, kv_heads * head_dim}:
+    if norm in _FULL_WIDTH and widths != {heads * head_dim, kv_heads * head_dim}:
         return (f"the q/k norms reduce over {sorted(widths)} dims, not the whole projections "
                 f"({heads * head_dim}, {kv_heads * head_dim}): per-head where full-width is expected")  # fmt: skip
     if norm in ("qwen", "per_head") and widths != {head_dim}:
         return f"the q/k norms reduce over {sorted(widths)} dims, not one head ({head_dim}): full-width where per-head is expected"
     if norm == "qwen" and values["weight_offsets"] != {1.0}:
         return f"the norm weight offsets are {sorted(values['weight_offsets'])}, not Gemma's 1 + w"
-    if norm == "per_head" and values["weight_offsets"]:
+    if norm in ("per_head", "olmo") and values["weight_offsets"]:
         return f"the norm weight has offsets {sorted(values['weight_offsets'])} where a plain x * w is expected"
     return None
 
@@ -691,11 +726,12 @@ def replacement(variant: Variant, lowering: str):
     if lowering not in ("triton", "inductor"):
         raise ValueError(f"no replacement for lowering {lowering!r}")
     p = variant.params
-    full_width, offset = p["norm"] == "minimax", 1.0 if p["norm"] == "qwen" else 0.0
+    full_width, offset = p["norm"] in _FULL_WIDTH, 1.0 if p["norm"] == "qwen" else 0.0
     # Round where the matched code rounds: MiniMax's norm (every spelling) and HF's plain per-head
     # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
-    # activation dtype, one rounding per op (without a norm, on the projections' own rows).
-    rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf")
+    # activation dtype, one rounding per op (without a norm, on the projections' own rows). OLMo's
+    # full-width norm multiplies its weight in fp32 and rounds once, as Gemma's does.
+    rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf" and not p["rope_fp32"])
     if p["rope"] == "gptj":
         rounding["interleaved_rope"] = True
 
@@ -785,6 +821,7 @@ def _rotates_pairs_hf(node) -> bool:
         return False
     for mul in node.args:
         for x in mul.args if getattr(mul, "target", None) is aten.mul.Tensor else ():
+            x = mla_prologue._strip(x)  # ERNIE-4.5 turns the pairs in fp32: rotate_half(x).float()
             x = x.args[0] if getattr(x, "target", None) in (aten.reshape.default, aten.view.default) else x
             if getattr(x, "target", None) is aten.cat.default and any(
                 getattr(part, "target", None) is aten.unsqueeze.default
@@ -797,7 +834,9 @@ def _rotates_pairs_hf(node) -> bool:
 
 def _rotation(node) -> bool:
     """A RoPE's rotated half or halves (mla_prologue.is_site), or HF's GPT-J pairs rotation."""
-    return isinstance(node, torch.fx.Node) and (mla_prologue.is_site(node) or _rotates_pairs_hf(node))
+    if not isinstance(node, torch.fx.Node) or mla_prologue.is_complex_rope(node):
+        return False  # complex RoPE: MLA's (DeepSeek-V2), a reported miss of that family
+    return mla_prologue.is_site(node) or _rotates_pairs_hf(node)
 
 
 def _is_rotation(node) -> bool:
@@ -844,7 +883,10 @@ def _halves_of_one_rotation(first, second) -> bool:
     return a is not None and a == b
 
 
-def _roped_rows(node, hf_cache: bool) -> bool:
+def _roped_rows(node, hf_cache: bool, static: bool = False) -> bool:
+    """K rows that are a RoPE's output (through casts and views). ``static``: written to HF's
+    static cache, where a rotation's two halves written out with no norm in front (gpt-oss's
+    ``_apply_rotary_emb``) is a site too."""
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
@@ -859,7 +901,7 @@ def _roped_rows(node, hf_cache: bool) -> bool:
             parts = node.args[0]
             if len(parts) != 2 or not _is_rotation(parts[0]):
                 return False
-            return not _halves_of_one_rotation(*parts) or _normed(parts[0])
+            return not _halves_of_one_rotation(*parts) or _normed(parts[0]) or static
         if not _passes_through(node):
             return False
         node = node.args[0]
@@ -886,13 +928,24 @@ def _hf_cache_write(node: torch.fx.Node) -> bool:
     return _static_cache_write(node) or _flat_cache_write(node)
 
 
+def _norm_after_rope(rows) -> bool:
+    """K rows that are an RMS norm of RoPE'd rows (HunYuan's ``key_layernorm`` after
+    ``apply_rotary_pos_emb``)."""
+    rsqrt = upstream(rows, lambda n: getattr(n, "target", None) is aten.rsqrt.default, 6)
+    mean = upstream(rsqrt, lambda n: getattr(n, "target", None) is aten.mean.dim, 3) if rsqrt is not None else None
+    square = mean.args[0] if mean is not None else None
+    if getattr(square, "target", None) not in (aten.pow.Tensor_Scalar, aten.mul.Tensor):
+        return False
+    return _roped_rows(mla_prologue._strip(square.args[0]), True)
+
+
 def is_site(node: torch.fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and node.target is aten.index_put.default
-        and len(node.args) >= 3
-        and _roped_rows(node.args[2], _hf_cache_write(node))
-    )
+    """A K-cache write of RoPE'd rows; in HF's caches also of a q/k norm's rows after the RoPE, a
+    reported miss."""
+    if node.op != "call_function" or node.target is not aten.index_put.default or len(node.args) < 3:
+        return False
+    rows, hf_cache = node.args[2], _hf_cache_write(node)
+    return _roped_rows(rows, hf_cache, _static_cache_write(node)) or (hf_cache and _norm_after_rope(rows))
 
 
 def _k_norm(rows: torch.fx.Node) -> dict | None:
@@ -906,7 +959,10 @@ def _k_norm(rows: torch.fx.Node) -> dict | None:
     scaled = downstream(rsqrt, lambda n: getattr(n, "target", None) is aten.mul.Tensor
                         and any(_is_norm_weight(a) for a in n.args), 4)  # fmt: skip
     gemma = scaled is not None and any(getattr(a, "target", None) is aten.add.Tensor for a in scaled.args)
-    return {"width": width, "gemma": gemma, "weighted": scaled is not None}
+    # MiniMax / Qwen3-MoE round x·rstd to the activation dtype before the weight multiply.
+    rounded = scaled is not None and any(getattr(a, "target", None) is prims.convert_element_type.default
+                                         and a.args[1] != torch.float32 for a in scaled.args)  # fmt: skip
+    return {"width": width, "gemma": gemma, "weighted": scaled is not None, "rounded_first": rounded}
 
 
 def _is_norm_weight(node) -> bool:
@@ -966,10 +1022,80 @@ def _pairs_departure(rows: torch.fx.Node, pairs: torch.fx.Node) -> tuple[torch.f
     if _normed(rows):
         return rows, ("q/k are RMS-normalised before GPT-J pairs: the fused GQA prologue takes GPT-J pairs without "
                       "q/k norms (HF's GLM-4) only")  # fmt: skip
+    turned, cached = _compat.fake_value(rotation), _compat.fake_value(rows)
+    if turned is not None and cached is not None and turned.dtype == torch.float32 != cached.dtype:
+        return rotation, (f"k's GPT-J pairs are turned in fp32 and rounded once to {cached.dtype} (x.float() * cos + "
+                          "rotate_half(x).float() * sin, as ERNIE-4.5 writes it): the fused GQA prologue's GPT-J "
+                          "variants take HF GLM-4's products in the activation dtype")  # fmt: skip
     return rotation, ("k's GPT-J pairs turn by cos / sin repeated pairwise, but not in HF GLM-4's spelling (bf16 "
                       "products, cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb), e.g. in "
                       "fp32 on angles repeated before the cos as Cohere writes it: the fused GQA prologue's GPT-J "
                       "variants take GLM-4's spelling")  # fmt: skip
+
+
+def _rotated_input(rotation: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor a RoPE rotates: the source of ``rotate_half``'s (or the written-out halves')
+    slices, through casts."""
+    for mul in rotation.args:
+        for x in mla_prologue._mul_operands(mul) or ():
+            x = mla_prologue._strip(x)
+            if mla_prologue._is_rotate_half(x):
+                x = next((p for p in x.args[0] if getattr(p, "target", None) is not aten.neg.default), None)
+            source = mla_prologue._sliced_from(x)
+            if source is not None:
+                return source
+    return None
+
+
+def _piece_of_wider(node) -> bool:
+    """A split piece or slice of a wider tensor, through the head views on the way back."""
+    for _ in range(4):
+        if mla_prologue._sliced_from(node) is not None:
+            return True
+        if not _passes_through(node):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _scale_of(node) -> float | None:
+    """``x * c`` for a Python number c, through the head views and casts on the way back."""
+    for _ in range(4):
+        if getattr(node, "target", None) is aten.mul.Tensor:
+            numbers = [a for a in node.args if isinstance(a, (int, float))]
+            return float(numbers[0]) if numbers else None
+        if not _passes_through(node):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _rope_input_departure(anchor: torch.fx.Node, rows: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """What k is before an un-normed RoPE where no variant takes it: a piece split off a wider
+    projection into one shared head (MLA's decoupled RoPE key: MiniCPM3), k scaled by a constant
+    (Falcon-H1's key_multiplier), or the rotation's two halves written out (gpt-oss)."""
+    rotation = upstream(rows, _rotation, 8)
+    if rotation is None or _normed(rows):
+        return None
+    source = _rotated_input(rotation)
+    shape = val_shape(rows) or ()
+    if source is not None and len(shape) == 4 and shape[1] == 1 and _piece_of_wider(source):
+        return source, ("k is one RoPE head split off the compressed kv projection and cached beside its normed "
+                        "latent (MLA's decoupled RoPE key, as MiniCPM3 writes it): the fused GQA prologue takes per-"
+                        "head K rows of a k projection, and the MLA prologue takes DeepSeek's spelling of this "
+                        "attention")  # fmt: skip
+    scale = _scale_of(source) if source is not None else None
+    if scale is not None:
+        return source, (f"k is scaled by a constant ({scale:g}) between its projection and its RoPE, as Falcon-H1's "
+                        "key_multiplier does: the fused GQA prologue takes k's projection rows as they are, or "
+                        "RMS-normalised")  # fmt: skip
+    cat = upstream(rows, lambda n: getattr(n, "target", None) is aten.cat.default and len(n.args[0]) == 2
+                   and _halves_of_one_rotation(*n.args[0]), 6)  # fmt: skip
+    if cat is not None:
+        return cat, ("k is rotated by NeoX halves written out (x1 * cos - x2 * sin, x2 * cos + x1 * sin on "
+                     "torch.chunk's halves, as gpt-oss's _apply_rotary_emb writes it): the fused GQA prologue "
+                     "takes HF's x * cos + rotate_half(x) * sin spelling of that rotation")  # fmt: skip
+    return None
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
@@ -981,6 +1107,10 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
+    if isinstance(rows, torch.fx.Node) and _norm_after_rope(rows):
+        return rows, ("q/k are RMS-normalised after their RoPE (a norm of the rotated heads, as HunYuan's "
+                      "query_layernorm / key_layernorm run after apply_rotary_pos_emb), so the cached K rows are a "
+                      "norm's: the fused GQA prologue takes q/k norms before RoPE only")  # fmt: skip
     pairs = _interleaved_pairs(rows) if isinstance(rows, torch.fx.Node) else None
     if pairs is not None:
         return _pairs_departure(rows, pairs)
@@ -988,6 +1118,9 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
         return rows, ("k has no RMS norm between its projection and its RoPE, and is written to a paged cache: the "
                       "fused GQA prologue takes an attention without q/k norms in HF's code (its static cache, or "
                       "continuous batching's flat one) only")  # fmt: skip
+    departure = _rope_input_departure(anchor, rows) if isinstance(rows, torch.fx.Node) else None
+    if departure is not None:
+        return departure
     head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
     norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
     if norm is None or head_dim is None or norm["width"] is None:
@@ -996,16 +1129,41 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     rotary = _rotary_dim(rows, head_dim)
     if per_head and not norm["gemma"]:
         if _hf_cache_write(anchor):
-            return None  # HF's static or flat cache: the per_head variants take it; another departure
+            return _norm_combination(rows, norm, rotary, head_dim)
         return rows, (f"q/k are RMS-normalised per head with a plain weight (x * w), then RoPE over {rotary} of "
                       f"{head_dim} dims, written to a paged cache: the fused GQA prologue takes that norm in HF's "
                       "code (its static cache, or continuous batching's flat one) only")  # fmt: skip
     if per_head or not norm["gemma"]:
-        return None  # Qwen3.5's per-head Gemma norm or MiniMax's full-width one: another departure
+        return _norm_combination(rows, norm, rotary, head_dim)
     return rows, (f"q/k are RMS-normalised over the whole projection ({norm['width']} wide) with Gemma's (1 + w) "
                   f"weight, then RoPE over {rotary} of {head_dim} dims: the fused GQA prologue takes per-head norms "
                   "(a plain x * w weight as Qwen3-MoE and GLM-4-MoE write it, or Qwen3.5's 1 + w) or MiniMax-M2's "
                   "whole-projection x * w norm")  # fmt: skip
+
+
+# (per head, Gemma's weight, x·rstd rounded before the weight, RoPE in fp32 or None: any) of each
+# norm the variants take: Qwen3-MoE's, MiniMax's, Qwen3.5's, OLMo-2's.
+_NORM_SPELLINGS = {(True, False, True, None), (False, False, True, None), (True, True, False, None),
+                   (False, False, False, True)}  # fmt: skip
+
+
+def _norm_combination(rows, norm: dict, rotary: int, head_dim: int) -> tuple[torch.fx.Node, str] | None:
+    """The q/k norm and RoPE as the model spells them, where no variant takes that norm before
+    that RoPE (the variants' spellings are whole model codes); None where one does (another
+    departure: Inductor's FailedMatch text)."""
+    rotation = upstream(rows, _rotation, 8)
+    value = _compat.fake_value(rotation) if rotation is not None else None
+    fp32_rope = value is not None and value.dtype == torch.float32
+    key = (norm["width"] == head_dim, norm["gemma"], norm["rounded_first"])
+    if (*key, None) in _NORM_SPELLINGS or (*key, fp32_rope) in _NORM_SPELLINGS:
+        return None
+    width = "per head" if norm["width"] == head_dim else f"over the whole projection ({norm['width']} wide)"
+    weight = "Gemma's (1 + w)" if norm["gemma"] else "a plain (x * w)"
+    rounding = "rounded to the activation dtype before" if norm["rounded_first"] else "in fp32, rounded once after"
+    rope = f"in {value.dtype}" if value is not None else "in another spelling"
+    return rows, (f"q/k are RMS-normalised {width} with {weight} weight, x·rstd {rounding} the weight multiply, then "
+                  f"RoPE over {rotary} of {head_dim} dims {rope}: no fused GQA prologue variant takes that combination "
+                  "(MiniMax-M2, OLMo-2, Qwen3-MoE, Qwen3.5 and Gemma-3 each write one)")  # fmt: skip
 
 
 def _facts_with_angles(nodes, inputs):

@@ -590,9 +590,22 @@ def _is_rotate_half(node) -> bool:
     )
 
 
+def is_complex_rope(node: torch.fx.Node) -> bool:
+    """RoPE in complex numbers: ``view_as_real(view_as_complex(x) * freqs_cis)`` (HF's
+    DeepSeek-V2), a reported miss."""
+    if getattr(node, "target", None) is not aten.view_as_real.default:
+        return False
+    product = node.args[0]
+    return getattr(product, "target", None) is aten.mul.Tensor and any(
+        getattr(x, "target", None) is aten.view_as_complex.default for x in product.args
+    )
+
+
 def is_site(node: torch.fx.Node) -> bool:
     """A RoPE rotation: ``a*cos - b*sin`` with a, b slices of one tensor (pairs, or halves
-    written out), or HF's ``x*cos + rotate_half(x)*sin``."""
+    written out), or HF's ``x*cos + rotate_half(x)*sin``; or one in complex numbers."""
+    if is_complex_rope(node):
+        return True
     if node.op != "call_function" or node.target not in (aten.sub.Tensor, aten.add.Tensor):
         return False
     left, right = (_mul_operands(a) for a in node.args)
@@ -614,6 +627,10 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     returns the rotated values only); an indexer that ropes interleaved pairs has no variant
     (DeepSeek V3.2's indexer ropes NeoX halves); other departures get Inductor's FailedMatch
     text."""
+    if is_complex_rope(anchor):
+        return anchor, ("RoPE is written in complex numbers (view_as_real(view_as_complex(x) * freqs_cis), as "
+                        "DeepSeek-V2's HF code writes it): the fused MLA prologue takes RoPE as real cos / sin "
+                        "products (DeepSeek-V3's spelling)")
     if _in_indexer(anchor):
         pairs = [_strip(x) for mul in anchor.args for x in (_mul_operands(mul) or ())]
         pairs = [p for p in pairs if is_pair_slice(p)]
