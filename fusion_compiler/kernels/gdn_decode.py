@@ -218,6 +218,12 @@ def _v_axis(v, VK: tl.constexpr):
 
 
 @triton.jit
+def _store_state(s_row, state, kk, vv, stride_rs_v, DK: tl.constexpr, DV: tl.constexpr, live):
+    """Store a state block at value columns ``vv`` (along the tile's value axis: ``_v_axis``)."""
+    tl.store(s_row + vv * stride_rs_v, state, mask=(kk < DK) & (vv < DV) & live)
+
+
+@triton.jit
 def _value_block(s_row, kk, x_row, cs, CONV_W, v_chan_base, v0, valid, stride_cs_c, stride_cs_w, stride_w_c,
                  stride_w_k, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
                  K_PAD: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr, CONV_DTYPE: tl.constexpr,
@@ -249,23 +255,26 @@ def _last_arrival(COUNTER, live, ARRIVALS: tl.constexpr):
 
 
 @triton.jit
+def _sum_over_k(x, VK: tl.constexpr):
+    """A state tile's sums over k: along axis 0 of [DK, BV], axis 1 of vLLM's [BV, DK] (VK)."""
+    if VK:
+        out = tl.sum(x, axis=1)
+    else:
+        out = tl.sum(x, axis=0)
+    return out
+
+
+@triton.jit
 def _update_block(state, v, k, q, decay, beta, ACT: tl.constexpr, VK: tl.constexpr):
     """The delta rule on one block of state columns, in HF's order: (new state, o rounded to ACT).
     VK: vLLM's [BV, DK] tile, as its packed decode kernel holds it, so the sums over k reduce the
     same axis of the same shape (bit-equal under the interpreter; on the GPU the order also
     depends on the layout Triton picks)."""
+    k = _k_axis(k, VK)
     state = state * decay
-    if VK:
-        kv_mem = tl.sum(state * k[None, :], axis=1)
-        delta = (v - kv_mem) * beta
-        state = state + delta[:, None] * k[None, :]
-        o = tl.sum(state * q[None, :], axis=1)
-    else:
-        kv_mem = tl.sum(state * k[:, None], axis=0)
-        delta = (v - kv_mem) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
-    return state, round_trip(o, ACT)
+    delta = (v - _sum_over_k(state * k, VK)) * beta
+    state = state + k * _v_axis(delta, VK)
+    return state, round_trip(_sum_over_k(state * _k_axis(q, VK), VK), ACT)
 
 
 @triton.jit
@@ -370,7 +379,7 @@ def _gdn_decode_kernel(
         for c in range(0, CHUNKS):
             vv = v0 + tl.arange(0, BV)
             state, o = _update_block(state, v, k, q, decay, beta, ACT, VLLM)
-            tl.store(s_row + _v_axis(vv, VLLM) * stride_rs_v, state, mask=(kk < DK) & (_v_axis(vv, VLLM) < DV) & live)
+            _store_state(s_row, state, kk, _v_axis(vv, VLLM), stride_rs_v, DK, DV, live)
             tl.debug_barrier()  # this block's conv-window loads (any thread) before its store
             _store_window(cs, v_win, v_chan_base + v0, tl.minimum(DV - v0, BV), live, stride_cs_c, stride_cs_w,
                           BV, W, W_PAD, CONV_TAPS)
@@ -405,7 +414,7 @@ def _gdn_decode_kernel(
         tl.debug_barrier()
         writer = _last_arrival(COUNTERS + t * key_heads + kh, live, readers)
         if one_block_of_split_row:
-            tl.store(s_row + _v_axis(vv, VLLM) * stride_rs_v, state, mask=(kk < DK) & (_v_axis(vv, VLLM) < DV) & live)
+            _store_state(s_row, state, kk, _v_axis(vv, VLLM), stride_rs_v, DK, DV, live)
         o = upcast(tl.load(out_rows, mask=dmask & writer, other=0.0, cache_modifier=".cg"))
         y = _gated_norm(o, z, norm_w, eps, DV, ACT, NORM_DTYPE, VLLM)
         tl.store(out_rows, downcast(y, OUT.dtype.element_ty), mask=dmask & writer)  # padding rows: zeros stored
