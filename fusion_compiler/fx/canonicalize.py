@@ -19,6 +19,11 @@ rolls its rows and writes the new token at ``torch.tensor([-1])`` (``full([1], -
 which ``index_put`` reads as the last row. A fused write taking that -1 for a padding slot (no
 write) would drop the token, so such an index becomes its non-negative equivalent.
 
+A scatter of one index a row into a constant (HF's DeepSeek / GLM group mask with one group
+kept: ``zeros_like(s).scatter_(1, idx, 1)``) is a compare with the positions. torch 2.13's
+Inductor rewrites it so in its joint graph (``scatter_upon_const_tensor``); torch 2.11 leaves the
+scatter in the graph our pass sees, so the same rewrite happens here, node for node.
+
 Two spellings depend on layouts and devices, not on the math. A ``zeros_like`` of a transposed
 tensor is a permuted ``full`` or a plain one, as the strides of its input fall (HF's GDN output
 buffer at batch 1 and at batch 2): a constant's layout is not the model's math, so a permuted
@@ -75,6 +80,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _permuted_full(node)
         elif node.target is aten.addmm.default and not node.kwargs:
             changed += _unfused_bias(node)
+        elif node.target in (aten.scatter.value, aten.scatter_.value) and len(node.args) == 4 and not node.kwargs:
+            changed += _scatter_upon_constant(node)
         elif node.target is aten.scalar_tensor.default and len(node.args) == 1:
             # What masked_fill(x, m, float) decomposes to in a pattern trace; real graphs
             # already carry it as a 0-d full (Inductor's own rewrite).
@@ -151,6 +158,54 @@ def _wrapped_constant_indices(graph: torch.fx.Graph, node: torch.fx.Node, wrappe
     if changed:
         node.args = (node.args[0], indices, *node.args[2:])
     return changed
+
+
+def _scatter_upon_constant(node: torch.fx.Node) -> int:
+    """``scatter(full(shape, b), dim, idx, v)`` with ``idx`` of size 1 at ``dim`` and the full
+    size elsewhere, ``b`` and ``v`` numbers: ``where(idx.expand(shape) == positions, v, b)`` cast
+    to the constant's dtype, the nodes Inductor's joint-graph rewrite leaves."""
+    full, dim, index, value = node.args
+    if getattr(full, "target", None) is not aten.full.default or len(full.args) != 2 or len(full.users) != 1:
+        return 0
+    shape, background = full.args
+    index_val, out_val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None, node.meta.get("val")
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (background, value))
+    if not (numbers and isinstance(index_val, torch.Tensor) and isinstance(out_val, torch.Tensor)
+            and isinstance(shape, (list, tuple)) and index_val.dim() == len(shape)):  # fmt: skip
+        return 0
+    dim = dim + len(shape) if dim < 0 else dim
+    if index_val.shape[dim] != 1 or any(index_val.shape[d] != out_val.shape[d] for d in range(len(shape)) if d != dim):
+        return 0
+    device = full.kwargs.get("device", out_val.device)
+    scalar_dtype = torch.int64 if all(isinstance(x, int) for x in (background, value)) else torch.get_default_dtype()
+    positions = [1] * len(shape)
+    positions[dim] = shape[dim]
+    graph = node.graph
+
+    def add(target, args, kwargs, val):
+        with graph.inserting_before(node):
+            new = graph.call_function(target, args, kwargs)
+        new.meta = {"val": val, **{k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}}
+        return new
+
+    expand = add(aten.expand.default, (index, list(shape)), {}, index_val.expand(out_val.shape))
+    iota = add(prims.iota.default, (out_val.shape[dim],),
+               {"start": 0, "step": 1, "dtype": torch.int64, "device": device, "requires_grad": False},
+               index_val.new_empty((out_val.shape[dim],), dtype=torch.int64))  # fmt: skip
+    view = add(aten.reshape.default, (iota, positions), {}, iota.meta["val"].view(
+        [out_val.shape[dim] if d == dim else 1 for d in range(len(shape))]))  # fmt: skip
+    hit = add(aten.eq.Tensor, (expand, view), {}, out_val.new_empty(out_val.shape, dtype=torch.bool))
+    scalar = {"dtype": scalar_dtype, "layout": torch.strided, "device": device, "pin_memory": False}
+    one = add(aten.full.default, ([], value), scalar, out_val.new_empty((), dtype=scalar_dtype))
+    zero = add(aten.full.default, ([], background), scalar, out_val.new_empty((), dtype=scalar_dtype))
+    where = add(aten.where.self, (hit, one, zero), {}, out_val.new_empty(out_val.shape, dtype=scalar_dtype))
+    result = where
+    if out_val.dtype != scalar_dtype:
+        result = add(prims.convert_element_type.default, (where, out_val.dtype), {}, out_val)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    graph.erase_node(full)
+    return 1
 
 
 def reshape_sizes(shape) -> list | None:

@@ -13,6 +13,9 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
 - Neighbouring HF routers with no code of theirs: GraniteMoE's and gpt-oss's top-k of the logits
   then a softmax over those k fuse (against float64 too); PhiMoE's sparsemixer and Ernie 4.5's
   biased softmax are declined in one sentence each.
+- torch 2.11's graph of the one-group mask: Inductor leaves its scatter to lowering there, after
+  our pass (the H200's GLM-4.5 routing was a miss until the pass rewrote it); the same cases
+  with that rewrite turned off fuse by the same variant.
 - Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
   that are neither sigmoid nor softmax; one group kept of several, groups scored by their best
   expert alone.
@@ -120,6 +123,21 @@ def test_every_hf_router_of_the_variant_fuses_and_routes_like_eager(case):
     assert report.missing_expected() == []
     assert report.per_module(FAMILY) == {"layers.0.gate": 1, "layers.1.gate": 1}
     assert {v: n for v, n in report.per_variant().items() if v.startswith(("softmax", "sigmoid"))} == {variant: 2}
+    assert relative_error(fused, eager) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["glm4_moe-n_group-1", "deepseek_v3-topk_group-1"])
+def test_one_group_mask_left_as_a_scatter_fuses_by_the_same_variant(case):
+    """torch 2.11's Inductor rewrites ``zeros_like(s).scatter_(1, idx, 1)`` at lowering, so the
+    graph our pass sees still holds the scatter; 2.13's rewrites it in the joint graph. With that
+    rewrite off, the pass's own canonical form must meet the same pattern."""
+    model_type, block_class, fields, variant = CASES[case]
+    expected = {FAMILY: {f"layers.{i}.gate": 1 for i in range(2)}}
+    with torch._inductor.config.patch(optimize_scatter_upon_const_tensor=False):
+        report, eager, fused = _compiled_blocks(_hf_blocks(model_type, block_class, fields), fields,
+                                                strict=True, expected=expected)  # fmt: skip
+    assert report.missing_expected() == []
+    assert _routing_variants(report) == {variant: 2}
     assert relative_error(fused, eager) < 1e-2
 
 
