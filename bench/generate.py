@@ -272,15 +272,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pin-routing", action="store_true",
                         help="bias-routed models send every token to the same experts (pin_routing): logits "
                              "without near-tie flips; not for timing, since real routing spreads tokens")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default LAYERS: the fewest with each layer kind); more bring the "
+                             "share of the step outside the layers (HF's per-step host work, the LM head) "
+                             "towards a real model's")  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     adapter = get_adapter(args.model)
-    model = adapter.build_hf(size="tiny" if args.smoke else "real", layers=LAYERS[args.model], device=device)
+    layers = args.layers or LAYERS[args.model]
+    model = adapter.build_hf(size="tiny" if args.smoke else "real", layers=layers, device=device)
     pinned = pin_routing(model) if args.pin_routing else 0
     runner = Runner(model, device, args.new_tokens, cpu_compile=args.smoke)
     result = {
-        "bench": "generate", "model": args.model, "layers": LAYERS[args.model], "size": "tiny" if args.smoke else "real",
+        "bench": "generate", "model": args.model, "layers": layers, "size": "tiny" if args.smoke else "real",
         "vocab": model.config.get_text_config(decoder=True).vocab_size, "new_tokens": args.new_tokens,
         "prompt": PROMPT, "experts_implementation": adapter.experts_implementation, "pinned_routers": pinned,
         "provenance": common.provenance(None if device == "cuda" else "cpu (smoke)"),
