@@ -24,7 +24,11 @@ Four norms, each as its model writes it, and none:
   or k with an RMS norm in front (the normed variants' reasons stand). ``none.hf*_gptj``: GPT-J's
   interleaved pairs as HF's GLM / GLM-4 write them (``rotate_half`` stacking (-x[..., 1::2],
   x[..., 0::2]) pair by pair, cos / sin's first half ``repeat_interleave``d) over half the head
-  (GLM-4) or all of it (Helium); the op's ``interleaved_rope``.
+  (GLM-4) or all of it (Helium); the op's ``interleaved_rope``. ``none.hf*_full_rope_chunk``:
+  gpt-oss's ``_apply_rotary_emb``, NeoX halves written out on ``torch.chunk``'s halves, ``cat((x1
+  * cos - x2 * sin, x2 * cos + x1 * sin))`` with cos / sin half as wide as the head: rounding
+  point for rounding point HF's ``rotate_half`` spelling (each bf16 product rounded, then the add;
+  ``a - b`` is ``a + (-b)``, the negation exact), so the same op and kernel, its bits.
 
 Two layouts, each as its code writes it:
 
@@ -72,7 +76,7 @@ norm in front. Not fused, said in words: GPT-J pairs after a q/k norm, in anothe
 pair products, ERNIE-4.5's fp32 turn) or turned by cos / sin not repeated pairwise, no norm
 written to a paged cache (serving code), a q/k norm after the RoPE (HunYuan: in HF's caches a
 site, its rows a norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves
-written out (gpt-oss's ``_apply_rotary_emb``: in HF's static cache a site), MLA's decoupled RoPE
+written out otherwise than gpt-oss's ``_apply_rotary_emb`` (in HF's caches a site), MLA's decoupled RoPE
 key (MiniCPM3), and a norm and RoPE that no one variant takes together.
 """
 
@@ -143,6 +147,15 @@ def rope_full_hf(x, cos, sin):
     return mla_prologue.rope_halves_hf(x, cos, sin)
 
 
+def rope_chunk_hf(x, cos, sin):
+    """gpt-oss's ``_apply_rotary_emb``: NeoX halves written out on ``torch.chunk``'s halves, cos /
+    sin half as wide as the head (not duplicated). Rounding point for rounding point HF's
+    ``x * cos + rotate_half(x) * sin``: each bf16 product rounded, then the add (``a - b`` is
+    ``a + (-b)``, and the negation is exact)."""
+    first, second = torch.chunk(x, 2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
 def rotate_pairs_hf(x):
     """HF GLM / GLM-4's ``rotate_half``: GPT-J pairs (x[2i], x[2i + 1]) -> (-x[2i + 1], x[2i])."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -208,6 +221,8 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     fp32 and the rotated rows are rounded once (``.to(q_type)``)."""
     if rope == "gptj":
         rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
+    elif rope == "chunk":  # gpt-oss: full RoPE only
+        rope_hf = rope_chunk_hf
     else:
         rope_hf = rope_full_hf if rotary == "full" else rope_partial_hf
     flat = cache == "flat"
@@ -289,7 +304,8 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
              rope: str = "neox", transposed_norm: bool = False, rope_fp32: bool = False) -> Variant:  # fmt: skip
     name = f"{norm}.{layout}" + ("_transposed_norm" if transposed_norm else "") + ("_tp" if tp else "")
     name += f"_{cache}" if layout == "paged" or cache == "flat" else ""
-    name += ("_full_rope" if rotary == "full" else "") + ("_gptj" if rope == "gptj" else "") + ("_fp32" if rope_fp32 else "")
+    name += ("_full_rope" if rotary == "full" else "") + (f"_{rope}" if rope != "neox" else "")  # gptj, chunk
+    name += "_fp32" if rope_fp32 else ""
     if norm == "none":
         search = _search_no_norm(rotary, rope, cache)
     else:
@@ -327,6 +343,7 @@ VARIANTS = (
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
     + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
     + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
+    + tuple(_variant("none", "hf", cache, rotary="full", rope="chunk") for cache in ("bf16", "flat"))
 )
 
 # The norms over the whole q and k projections: MiniMax's rounds x·rstd before its weight multiply,
@@ -351,13 +368,14 @@ def example_inputs(variant: Variant, combo) -> list:
 
     lead = (1, _T) if p["layout"] == "hf" else (_T,)
     rot = _D if p["rotary"] == "full" else _ROT
+    angles = rot // 2 if p["rope"] == "chunk" else rot  # gpt-oss: half-width cos / sin
     # HF's static cache [1, kv_heads, len, D], or continuous batching's flat one [slots, kv_heads, D]
     hf_cache = (_BLOCKS * _BS, _HKV, _D) if p["cache"] == "flat" else (1, _HKV, _BLOCKS * _BS, _D)
     # v: HF's head view [B, S, kv_heads, D] (static cache), else the projection [..., kv_heads * D]
     v_shape = (*lead, _HKV, _D) if p["layout"] == "hf" and p["cache"] != "flat" else (*lead, _HKV * _D)
     if p["norm"] == "none":  # HF's layout only
         q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*v_shape)
-        return [q, k, v, r(1, _T, rot), r(1, _T, rot), r(*hf_cache), r(*hf_cache), torch.arange(_T)]
+        return [q, k, v, r(1, _T, angles), r(1, _T, angles), r(*hf_cache), r(*hf_cache), torch.arange(_T)]
     if p["norm"] in _FULL_WIDTH:
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
@@ -384,7 +402,8 @@ SCALARS = {"eps": _EPS, "k_scale": _K_SCALE, "v_scale": _V_SCALE}
 
 def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str, Any]:
     facts: dict[str, Any] = {"slices": set(), "norm_widths": set(), "weight_offsets": set(), "casts": set(),
-                             "repeats": set(), "unsqueezes": set()}  # fmt: skip
+                             "repeats": set(), "unsqueezes": set(), "splits": set(), "cat_dims": set(),
+                             "written_halves": set()}  # fmt: skip
     weights = {inputs.get("q_weight"), inputs.get("k_weight")} - {None}
     for node in nodes:
         if node.op != "call_function":
@@ -405,12 +424,27 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             facts["repeats"].add(repeat_kind(node))
         elif node.target is aten.unsqueeze.default and val_shape(node) is not None:
             facts["unsqueezes"].add((node.args[1] % len(val_shape(node)), len(val_shape(node))))
+        elif node.target is aten.split.Tensor and val_shape(node.args[0]) is not None:  # torch.chunk's halves
+            rank = len(val_shape(node.args[0]))
+            facts["splits"].add((node.args[1], (node.args[2] if len(node.args) > 2 else 0) % rank))
+        elif node.target is aten.cat.default and val_shape(node) is not None:
+            facts["cat_dims"].add((node.args[1] if len(node.args) > 1 else 0) % len(val_shape(node)))
+        elif node.target is aten.sub.Tensor and all(getattr(a, "target", None) is aten.mul.Tensor for a in node.args):
+            # x1 * cos - x2 * sin: which chunk each product takes (the tracer left getitem's index a wildcard)
+            facts["written_halves"].add(tuple(_chunk_index(m.args[0]) for m in node.args))
         elif node.target is aten.div.Tensor and not isinstance(node.args[1], torch.fx.Node):
             facts.setdefault("graph_scales", []).append(node.args[1])
     scales = facts.pop("graph_scales", [])
     if len(scales) == 2:  # k's write comes first in the pattern
         facts["graph_k_scale"], facts["graph_v_scale"] = scales
     return facts
+
+
+def _chunk_index(node) -> int | None:
+    """i where node is ``torch.chunk(x, ...)[i]`` (post-grad ``getitem(split(x, size, dim), i)``)."""
+    if getattr(node, "target", None) is operator.getitem and getattr(node.args[0], "target", None) is aten.split.Tensor:
+        return node.args[1]
+    return None
 
 
 def repeat_kind(expand: torch.fx.Node) -> str:
@@ -541,7 +575,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     q, cos, k_cache = values["q"], values["cos"], values["k_cache"]
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[1 if p["layout"] == "hf" else 2]
     heads = q.shape[-1] // head_dim if p["norm"] in _FULL_WIDTH else q.shape[-2]
-    rot = cos.shape[-1] if p["layout"] == "hf" else 2 * cos.shape[-1]
+    rot = cos.shape[-1] if p["layout"] == "hf" and p["rope"] != "chunk" else 2 * cos.shape[-1]
     if p["tp"]:
         reason = _tp_reason(values, heads * head_dim, kv_heads * head_dim)
     elif p["norm"] == "none":
@@ -552,11 +586,14 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
         return reason
     if p["rope"] == "gptj":
         reason = _pairs_reason(values, rot, head_dim, p["rotary"])
+    elif p["rope"] == "chunk":
+        reason = _chunk_reason(values, rot, head_dim)
     else:
         reason = _rope_reason(values["slices"], rot, head_dim, p["layout"], p["rotary"])
     if reason:
         return reason
     # GPT-J pairs read cos / sin's first half only, as HF's code does: no duplicated halves needed.
+    # gpt-oss's written-out halves read its half-width cos / sin as they are.
     reason = mla_prologue.angles_reason(values) if p["layout"] == "hf" and p["rope"] == "neox" else None
     if reason:
         return reason
@@ -683,6 +720,24 @@ def _pairs_reason(values, rot: int, head_dim: int, rotary: str) -> Reason:
     return None
 
 
+def _chunk_reason(values, rot: int, head_dim: int) -> Reason:
+    """gpt-oss's written-out halves: ``torch.chunk(x, 2, -1)`` of the whole head (a split of the
+    last dim at half the head), cos / sin half as wide, ``cat((x1 * cos - x2 * sin, x2 * cos + x1 *
+    sin), -1)``. The tracer left the split's size and dim, getitem's index and the cat's dim
+    wildcards."""
+    if rot != head_dim:
+        return (f"cos / sin are {rot // 2} wide, not half the head ({head_dim // 2}): RoPE on written-out halves "
+                "of all of it is expected")  # fmt: skip
+    if values["splits"] != {(head_dim // 2, 3)} or values["cat_dims"] != {3}:
+        return (f"the halves are split as {sorted(values['splits'])} (size, dim) and joined on dims "
+                f"{sorted(values['cat_dims'])}, not torch.chunk's two halves of the head's last dim joined back "
+                "on it")  # fmt: skip
+    if values["written_halves"] != {(0, 1)}:
+        return (f"the rotation's first half reads chunks {sorted(values['written_halves'])} (x1 * cos, x2 * sin), "
+                "not (0, 1): the halves are swapped, a rotation the fused GQA prologue does not take")  # fmt: skip
+    return None
+
+
 def _cache_reason(values, p, kv_heads: int, head_dim: int) -> Reason:
     k_cache, v_cache, where = values["k_cache"], values["v_cache"], values["where"]
     rank = 3 if p["cache"] == "flat" else 4
@@ -740,8 +795,9 @@ def replacement(variant: Variant, lowering: str):
         lead = v.shape[:-2] if p["layout"] == "hf" and p["cache"] != "flat" else v.shape[:-1]
         # Token counts as -1, never computed: under dynamic shapes a size expression of ours could
         # be bound to an equal one computed later in the graph (another layer's), a cycle.
-        if p["layout"] == "hf":  # cat(freqs, freqs) rows, [B or 1, S]; slot = batch * max_len + position
-            half = cos.shape[-1] // 2
+        # cat(freqs, freqs) rows (gpt-oss's: freqs), [B or 1, S]; slot = batch * max_len + position
+        if p["layout"] == "hf":
+            half = cos.shape[-1] if p["rope"] == "chunk" else cos.shape[-1] // 2  # gpt-oss's: half-width
             cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
             max_len = k_cache.shape[2]
             if lead[0] == 1 or p["cache"] == "flat":  # one sequence, or flat slots already
@@ -883,10 +939,10 @@ def _halves_of_one_rotation(first, second) -> bool:
     return a is not None and a == b
 
 
-def _roped_rows(node, hf_cache: bool, static: bool = False) -> bool:
-    """K rows that are a RoPE's output (through casts and views). ``static``: written to HF's
-    static cache, where a rotation's two halves written out with no norm in front (gpt-oss's
-    ``_apply_rotary_emb``) is a site too."""
+def _roped_rows(node, hf_cache: bool, halves: bool = False) -> bool:
+    """K rows that are a RoPE's output (through casts and views). ``halves``: written to HF's
+    static or flat cache, where a rotation's two halves written out with no norm in front
+    (gpt-oss's ``_apply_rotary_emb``) is a site too."""
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
@@ -899,9 +955,11 @@ def _roped_rows(node, hf_cache: bool, static: bool = False) -> bool:
             # latter is a candidate (a near miss: RoPE on all dims) only after a q/k norm:
             # DeepSeek V3's k_rot, written to its cache straight from kv_a_proj, is no GQA site.
             parts = node.args[0]
+            if len(parts) == 2 and halves and _halves_of_one_rotation(*parts) and _is_rotation(parts[1]):
+                return True  # written-out halves, the x1 * cos - x2 * sin one second (swapped: a near miss)
             if len(parts) != 2 or not _is_rotation(parts[0]):
                 return False
-            return not _halves_of_one_rotation(*parts) or _normed(parts[0]) or static
+            return not _halves_of_one_rotation(*parts) or _normed(parts[0]) or halves
         if not _passes_through(node):
             return False
         node = node.args[0]
@@ -945,7 +1003,7 @@ def is_site(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.target is not aten.index_put.default or len(node.args) < 3:
         return False
     rows, hf_cache = node.args[2], _hf_cache_write(node)
-    return _roped_rows(rows, hf_cache, _static_cache_write(node)) or (hf_cache and _norm_after_rope(rows))
+    return _roped_rows(rows, hf_cache, hf_cache) or (hf_cache and _norm_after_rope(rows))
 
 
 def _k_norm(rows: torch.fx.Node) -> dict | None:
@@ -1073,7 +1131,7 @@ def _scale_of(node) -> float | None:
 def _rope_input_departure(anchor: torch.fx.Node, rows: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """What k is before an un-normed RoPE where no variant takes it: a piece split off a wider
     projection into one shared head (MLA's decoupled RoPE key: MiniCPM3), k scaled by a constant
-    (Falcon-H1's key_multiplier), or the rotation's two halves written out (gpt-oss)."""
+    (Falcon-H1's key_multiplier), or the rotation's two halves written out otherwise than gpt-oss does."""
     rotation = upstream(rows, _rotation, 8)
     if rotation is None or _normed(rows):
         return None
@@ -1091,11 +1149,45 @@ def _rope_input_departure(anchor: torch.fx.Node, rows: torch.fx.Node) -> tuple[t
                         "RMS-normalised")  # fmt: skip
     cat = upstream(rows, lambda n: getattr(n, "target", None) is aten.cat.default and len(n.args[0]) == 2
                    and _halves_of_one_rotation(*n.args[0]), 6)  # fmt: skip
-    if cat is not None:
-        return cat, ("k is rotated by NeoX halves written out (x1 * cos - x2 * sin, x2 * cos + x1 * sin on "
-                     "torch.chunk's halves, as gpt-oss's _apply_rotary_emb writes it): the fused GQA prologue "
-                     "takes HF's x * cos + rotate_half(x) * sin spelling of that rotation")  # fmt: skip
+    spelled = _written_halves(cat) if cat is not None else None
+    if spelled is not None and spelled != _GPT_OSS_HALVES:
+        return cat, (f"k is rotated by NeoX halves written out as {spelled}, not as gpt-oss's _apply_rotary_emb "
+                     f"writes them ({_GPT_OSS_HALVES}): the fused GQA prologue takes that spelling of the rotation "
+                     "and HF's x * cos + rotate_half(x) * sin only")  # fmt: skip
     return None
+
+
+_GPT_OSS_HALVES = "cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin))"
+
+
+def _written_halves(cat: torch.fx.Node) -> str:
+    """A rotation's two written-out halves as the model spells them, e.g. ``cat((x1 * cos - x2 *
+    sin, x2 * cos + x1 * sin))``: x1, x2 the first and second half of the head (torch.chunk's
+    pieces or slices), cos / sin the angles read back to their aten.cos / aten.sin (else named by
+    their order: the first product's is cos)."""
+    angles: dict[torch.fx.Node, str] = {}
+
+    def angle(node):
+        if node not in angles:
+            found = upstream(node, lambda n: getattr(n, "target", None) in (aten.cos.default, aten.sin.default), 8)
+            named = {aten.cos.default: "cos", aten.sin.default: "sin"}.get(getattr(found, "target", None))
+            angles[node] = named or ("cos", "sin", "angle")[min(len(angles), 2)]
+        return angles[node]
+
+    def half(node):
+        node = mla_prologue._strip(node)
+        index = _chunk_index(node)
+        if index is None and getattr(node, "target", None) is aten.slice.Tensor:
+            index = 0 if (list(node.args[2:3]) or [0])[0] == 0 else 1
+        return f"x{index + 1}" if index is not None else "x"
+
+    def product(mul):
+        x, theta = mul.args if half(mul.args[0]) != "x" or half(mul.args[1]) == "x" else mul.args[::-1]
+        return f"{half(x)} * {angle(theta)}"
+
+    parts = [f"{product(p.args[0])} {'-' if p.target is aten.sub.Tensor else '+'} {product(p.args[1])}"
+             for p in cat.args[0]]  # fmt: skip
+    return f"cat(({', '.join(parts)}))"
 
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

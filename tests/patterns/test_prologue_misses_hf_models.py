@@ -6,11 +6,13 @@ site fuses, or is a miss whose reason is one sentence about the model's code.
   (their rotary embedding does not cast: fp32 products, one rounding), ``olmo.hf_full_rope_fp32``;
   Gemma-3's, Apertus' and EXAONE-4's per-head norm run on the heads after their transpose
   ([B, heads, S, D]), ``qwen`` / ``per_head.hf_transposed_norm_full_rope`` (EXAONE-4's global
-  layer has no RoPE: no site).
-- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, gpt-oss's NeoX halves written
-  out (``torch.chunk``), ERNIE-4.5's GPT-J pairs turned in fp32, HunYuan's q/k norm after RoPE,
-  MiniCPM3's decoupled RoPE key (MLA, its latent cached beside it), DeepSeek-V2's complex RoPE
-  (an mla_prologue miss).
+  layer has no RoPE: no site); gpt-oss's NeoX halves written out on ``torch.chunk``'s halves
+  (``_apply_rotary_emb``, half-width cos / sin: HF's ``rotate_half`` rounding point for rounding
+  point), ``none.hf_full_rope_chunk`` on its sliding and full layers alike
+  (tests/patterns/test_gqa_prologue_gpt_oss.py: the rolled window, bits, near misses).
+- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, ERNIE-4.5's GPT-J pairs
+  turned in fp32, HunYuan's q/k norm after RoPE, MiniCPM3's decoupled RoPE key (MLA, its latent
+  cached beside it), DeepSeek-V2's complex RoPE (an mla_prologue miss).
 
 Each model: HF's own class at a tiny config (2 layers, 4 heads / 2 kv heads of 32), bf16, one
 decode step on HF's static cache, compiled with only the two prologue families on.
@@ -57,6 +59,7 @@ FUSED = {
     "gemma3_text": dict.fromkeys((0, 1), "qwen.hf_transposed_norm_full_rope"),
     "apertus": dict.fromkeys((0, 1), "per_head.hf_transposed_norm_full_rope"),
     "exaone4": {0: "per_head.hf_transposed_norm_full_rope"},
+    "gpt_oss": dict.fromkeys((0, 1), "none.hf_full_rope_chunk"),  # sliding, then full attention
 }
 # Gemma-3's second layer: its V rows (no op of ours) differ from eager's by 7.5e-3 already, from
 # Inductor's own rounding upstream (embedding scale, decoder norms); K by 1.07e-2. The prologue
@@ -66,7 +69,6 @@ CACHE_TOLERANCE = {"gemma3_text": 2e-2}
 MISSED = {
     "falcon_h1": (GQA, 1, "k is scaled by a constant (0.5) between its projection and its RoPE, as Falcon-H1's "
                   "key_multiplier does"),
-    "gpt_oss": (GQA, 1, "k is rotated by NeoX halves written out"),
     "ernie4_5_moe": (GQA, 1, "k's GPT-J pairs are turned in fp32 and rounded once to torch.bfloat16"),
     "hunyuan_v1_moe": (GQA, 1, "q/k are RMS-normalised after their RoPE"),
     "minicpm3": (GQA, 1, "k is one RoPE head split off the compressed kv projection"),
