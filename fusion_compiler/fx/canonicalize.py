@@ -20,9 +20,12 @@ which ``index_put`` reads as the last row. A fused write taking that -1 for a pa
 write) would drop the token, so such an index becomes its non-negative equivalent.
 
 A scatter of one index a row into a constant (HF's DeepSeek / GLM group mask with one group
-kept: ``zeros_like(s).scatter_(1, idx, 1)``) is a compare with the positions. torch 2.13's
-Inductor rewrites it so in its joint graph (``scatter_upon_const_tensor``); torch 2.11 leaves the
-scatter in the graph our pass sees, so the same rewrite happens here, node for node.
+kept: ``zeros_like(s).scatter_(1, idx, 1)``) is a compare with the positions, ``where(idx ==
+positions, 1, 0)``. Inductor's joint graph rewrites it so (``scatter_upon_const_tensor``), torch
+2.13 casting the int64 result back to the constant's dtype and torch 2.11 not; with that rewrite
+turned off the scatter stays. Here a scatter becomes 2.11's compare, and a cast of such a 0/1 mask
+that is read only through views by a cast to bool (``~mask.bool()``) is dropped: the three graphs,
+and the patterns' traces, meet in one form.
 
 Two spellings depend on layouts and devices, not on the math. A ``zeros_like`` of a transposed
 tensor is a permuted ``full`` or a plain one, as the strides of its input fall (HF's GDN output
@@ -76,6 +79,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _unsqueezed_put_values(node) + _wrapped_constant_indices(graph, node, wrapped)
         elif node.target is prims.convert_element_type.default and len(node.users) > 1:
             changed += _own_upcast_before_collective(node)
+        elif node.target is prims.convert_element_type.default and _is_where_of_0_1(node.args[0]):
+            changed += _cast_of_a_mask_read_as_bool(node)
         elif node.target is aten.permute.default and getattr(node.args[0], "target", None) is aten.full.default:
             changed += _permuted_full(node)
         elif node.target is aten.addmm.default and not node.kwargs:
@@ -162,8 +167,9 @@ def _wrapped_constant_indices(graph: torch.fx.Graph, node: torch.fx.Node, wrappe
 
 def _scatter_upon_constant(node: torch.fx.Node) -> int:
     """``scatter(full(shape, b), dim, idx, v)`` with ``idx`` of size 1 at ``dim`` and the full
-    size elsewhere, ``b`` and ``v`` numbers: ``where(idx.expand(shape) == positions, v, b)`` cast
-    to the constant's dtype, the nodes Inductor's joint-graph rewrite leaves."""
+    size elsewhere, ``b`` and ``v`` numbers: ``where(idx.expand(shape) == positions, v, b)``, the
+    nodes Inductor's joint-graph rewrite leaves, cast to the constant's dtype unless that cast
+    only feeds a ``.bool()``."""
     full, dim, index, value = node.args
     if getattr(full, "target", None) is not aten.full.default or len(full.args) != 2 or len(full.users) != 1:
         return 0
@@ -205,6 +211,53 @@ def _scatter_upon_constant(node: torch.fx.Node) -> int:
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     graph.erase_node(full)
+    if result is not where:
+        _cast_of_a_mask_read_as_bool(result)
+    return 1
+
+
+# What a mask passes through between its cast and its ``.bool()``: reshapes and copies of it.
+_MASK_VIEWS = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default,
+               aten.clone.default, aten._unsafe_view.default, aten.permute.default)  # fmt: skip
+
+
+def _is_where_of_0_1(node) -> bool:
+    """``where(c, 1, 0)`` (either order) of integer 0-d constants: a 0/1 mask."""
+    if getattr(node, "target", None) is not aten.where.self or len(node.args) != 3:
+        return False
+    values = []
+    for branch in node.args[1:]:
+        if getattr(branch, "target", None) is not aten.full.default or list(branch.args[0]) != []:
+            return False
+        values.append(branch.args[1])
+    return sorted(values) == [0, 1] and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _cast_of_a_mask_read_as_bool(node: torch.fx.Node) -> int:
+    """``convert_element_type(where(c, 1, 0), D)`` whose every reader, through ``_MASK_VIEWS``,
+    is a cast to bool: the same booleans without it. The views keep their shapes and take the
+    mask's dtype."""
+    mask = node.args[0]
+    views, frontier, to_bool = [], [node], 0
+    while frontier:
+        for user in frontier.pop().users:
+            if user.target is prims.convert_element_type.default and user.args[1] is torch.bool:
+                to_bool += 1
+            elif user.target in _MASK_VIEWS and user.args[0] in (node, *views):
+                views.append(user)
+                frontier.append(user)
+            else:
+                return 0
+    if not to_bool:
+        return 0
+    dtype = getattr(mask.meta.get("val"), "dtype", None)
+    for view in views:
+        val = view.meta.get("val")
+        if isinstance(val, torch.Tensor) and dtype is not None:
+            view.meta["val"] = val.to(dtype)
+            view.meta.pop("tensor_meta", None)
+    node.replace_all_uses_with(mask)
+    node.graph.erase_node(node)
     return 1
 
 

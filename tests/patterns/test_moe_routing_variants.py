@@ -13,9 +13,9 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
 - Neighbouring HF routers with no code of theirs: GraniteMoE's and gpt-oss's top-k of the logits
   then a softmax over those k fuse (against float64 too); PhiMoE's sparsemixer and Ernie 4.5's
   biased softmax are declined in one sentence each.
-- torch 2.11's graph of the one-group mask: Inductor leaves its scatter to lowering there, after
-  our pass (the H200's GLM-4.5 routing was a miss until the pass rewrote it); the same cases
-  with that rewrite turned off fuse by the same variant.
+- The one-group mask's three graphs: HF's scatter (Inductor's rewrite off), torch 2.11's rewrite
+  (an int64 compare: the H200's GLM-4.5 routing was a miss on it) and 2.13's (cast back) are one
+  graph after canonicalize; the cases with the rewrite off fuse by the same variant.
 - Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
   that are neither sigmoid nor softmax; one group kept of several, groups scored by their best
   expert alone.
@@ -139,6 +139,56 @@ def test_one_group_mask_left_as_a_scatter_fuses_by_the_same_variant(case):
     assert report.missing_expected() == []
     assert _routing_variants(report) == {variant: 2}
     assert relative_error(fused, eager) < 1e-2
+
+
+def _masked_choice(spelling: str):
+    """The one-group mask of HF's grouped routing in three graphs: the scatter as written (Inductor's
+    rewrite off), torch 2.11's rewrite (an int64 compare) and 2.13's (the compare cast back)."""
+
+    def masked(scores, group_scores, group_idx):
+        if spelling == "scatter":
+            mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+        else:
+            hit = group_idx.expand(group_scores.shape) == torch.arange(1).view(1, 1)
+            mask = torch.where(hit, 1, 0)
+            mask = mask.to(group_scores.dtype) if spelling == "torch_2_13" else mask
+        score_mask = mask.unsqueeze(-1).expand(-1, 1, 16).reshape(-1, 16)
+        return scores.masked_fill(~score_mask.bool(), float("-inf"))
+
+    return masked
+
+
+def _expression(graph: torch.fx.Graph) -> str:
+    """The output as one expression of the inputs: equal for the same computation, whatever the
+    order of the nodes."""
+
+    def text(arg) -> str:
+        if isinstance(arg, (list, tuple)):
+            return "[" + ", ".join(map(text, arg)) + "]"
+        if not isinstance(arg, torch.fx.Node):
+            return repr(arg)
+        if arg.op == "placeholder":
+            return f"input{list(graph.nodes).index(arg)}"
+        kwargs = "".join(f", {key}={text(value)}" for key, value in arg.kwargs.items())
+        return f"{arg.target}({', '.join(map(text, arg.args))}{kwargs})"
+
+    return text(graph.output_node().args[0])
+
+
+def test_one_group_mask_is_one_graph_whatever_torch_made_of_the_scatter():
+    from fusion_compiler import _compat
+    from fusion_compiler.fx.canonicalize import canonicalize
+
+    args = (torch.randn(3, 16), torch.randn(3, 1), torch.zeros(3, 1, dtype=torch.long))
+    graphs = {}
+    for spelling in ("scatter", "torch_2_11", "torch_2_13"):
+        gm = _compat.trace_like_post_grad(_masked_choice(spelling), args)
+        canonicalize(gm.graph)
+        gm.graph.eliminate_dead_code()
+        graphs[spelling] = _expression(gm.graph)
+    assert graphs["scatter"] == graphs["torch_2_11"] == graphs["torch_2_13"]
+    assert "scatter" not in graphs["scatter"]
+    assert graphs["scatter"].count("convert_element_type") == 1  # the .bool(): the cast back is gone
 
 
 def _compile_router(router, tokens=5, hidden=32):
