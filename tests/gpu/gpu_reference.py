@@ -112,14 +112,26 @@ def rope64(x, cos, sin, round_products=None):
 # ---------------------------------------------------------------------------------------------
 
 
+def _near_a_bf16_midpoint(x64: torch.Tensor) -> torch.Tensor:
+    """Where ``x64`` is within about 2**-16 (relative) of a midpoint between two bf16 values: the
+    16 bits fp32 keeps below bf16 are within 256 of 0x8000 (one unit is 2**-23 of the value's
+    power of two)."""
+    low_bits = x64.float().view(torch.int32) & 0xFFFF
+    return (low_bits - 0x8000).abs() <= 256
+
+
 def gdn_step64(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps, qk_eps, conv_rows, state_rows,
-               key_heads, hf_roundings, vllm_roundings=False):  # fmt: skip
+               key_heads, hf_roundings, vllm_roundings=False, ties=None):  # fmt: skip
     """One step of n live rows: conv_rows [n, conv_dim, W] (act dtype), state_rows [n, Hv, Dk, Dv]
     float64. Returns (out [n, Hv * Dv] float64, new conv rows (act dtype, exact), new states
     float64). The conv output is rounded to the activation dtype, where every lowering rounds it;
     with ``hf_roundings`` (the op's contract, HF's code: the "triton" lowering) also the conv sum
     before the SiLU and beta, to bf16; fla's kernels keep both in fp32. With ``vllm_roundings``
-    (vLLM's causal_conv1d_update) each conv product is rounded to the weight's dtype first."""
+    (vLLM's causal_conv1d_update) each conv product is rounded to the weight's dtype first.
+
+    ``ties``, a list, receives the [n, conv_dim] mask of the q / k / v elements whose float64 value
+    lies within about 2**-16 of a half-way point between two bf16 values: an fp32 conv sum or SiLU
+    rounds those either way (one bf16 step, up to 2**-7 of the value)."""
     n, conv_dim = mixed_qkv.shape
     _, hv, dk, dv = state_rows.shape
     kernel = conv_weight.shape[-1]
@@ -131,7 +143,10 @@ def gdn_step64(mixed_qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, eps
     conv = products.sum(-1)
     if hf_roundings:
         conv = conv.to(conv_weight.dtype).double()
-    qkv = torch.nn.functional.silu(conv).to(mixed_qkv.dtype).double()
+    exact = torch.nn.functional.silu(conv)
+    qkv = exact.to(mixed_qkv.dtype).double()
+    if ties is not None:
+        ties.append(_near_a_bf16_midpoint(exact))
     q, k, v = qkv.split([key_heads * dk, key_heads * dk, hv * dv], dim=-1)
     ratio = hv // key_heads
     q = q.reshape(n, key_heads, dk).repeat_interleave(ratio, dim=1)

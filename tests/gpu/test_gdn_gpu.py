@@ -73,6 +73,17 @@ def _projections(dims, tokens, gen):
     return [randn(gen, tokens, conv_dim + 8)[:, :conv_dim], randn(gen, tokens, hv * dv), ba[:, :hv], ba[:, hv : 2 * hv]]
 
 
+def _tipped_state(ties, dims):
+    """[n, Hv, Dk, Dv]: the state elements a near-tie of k (its row, in every value head of the key
+    head) or of v (its column) reaches."""
+    hk, hv, dk, dv = (dims[n] for n in ("key_heads", "value_heads", "key_dim", "value_dim"))
+    n = ties.shape[0]
+    _, k_ties, v_ties = ties.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    k_rows = k_ties.reshape(n, hk, dk).repeat_interleave(hv // hk, dim=1)[..., :, None]
+    v_cols = v_ties.reshape(n, hv, dv)[..., None, :]
+    return (k_rows | v_cols).to(DEVICE)
+
+
 def _run_steps(case, lowering):
     dims, tokens, layout = case
     gen = generator(31 * tokens + len(layout))
@@ -95,9 +106,10 @@ def _run_steps(case, lowering):
             assert_guards_untouched(buf)
         else:
             out = torch.ops.fusion_compiler.gdn_decode_fla(*args)
+        ties = []
         want, ref_conv, ref_state = gdn_step64(
             *[p[live] for p in proj], *weights, 1e-6, 1e-6, ref_conv, ref_state, dims["key_heads"],
-            hf_roundings=lowering == "triton" and not vllm_math, vllm_roundings=vllm_math,
+            hf_roundings=lowering == "triton" and not vllm_math, vllm_roundings=vllm_math, ties=ties,
         )  # fmt: skip
         what = f"{lowering} step {step}"
         # out: a few bf16 roundings (o, the normalized o, the weight product, the gated result)
@@ -105,8 +117,11 @@ def _run_steps(case, lowering):
         assert torch.equal(out[~live], torch.zeros_like(out[~live])), f"{what}: padding rows are zero"
         assert_bytes_equal(conv_state[written], ref_conv, f"{what}: conv state rows (a shift: exact)")
         got_state = recurrent_state[written].double()
-        # fp32 sums against float64, and conv outputs whose bf16 rounding fp32 may tip the other way
-        assert_rows_close(got_state, ref_state, 2**-8, f"{what}: recurrent state rows")
+        # fp32 sums against float64; the state rows of a k element and the columns of a v element
+        # whose bf16 rounding fp32 may tip the other way (a near-tie) take one bf16 step more
+        tipped = _tipped_state(ties[0], dims)
+        assert_rows_close(got_state.where(~tipped, ref_state), ref_state, 2**-8, f"{what}: recurrent state rows")
+        assert_rows_close(got_state, ref_state, 2**-5, f"{what}: recurrent state rows (near-ties)")
         assert_bytes_equal(conv_state[untouched], before[0][untouched], f"{what}: conv state outside the slots")
         assert_bytes_equal(recurrent_state[untouched], before[1][untouched], f"{what}: recurrent state outside the slots")
 
