@@ -398,13 +398,16 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid, config)
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
     fused = tokens <= config.fused_gemm_max_tokens and min(tokens, grid[0] * grid[1] * grid[2]) <= MAX_ROUTERS
-    pollable = fused and poll_rows(meta["G_PAD"] * meta["GS_PAD"], num_warps, config)
-    # Every fused call makes the one-token buffer (for the one-token launch's split, which the
-    # GEMV shape sets apart from 2-16 tokens'), so a warm-up at any of those counts lets a later
-    # capture at one token find it.
-    one_token_split = split if tokens == 1 else gemm_launch_config(1, columns, hid, config)[4]
-    polled = _poll_partials(hidden.device, one_token_split, columns) if pollable else None
-    poll = pollable and tokens == 1
+    one_token = gemm_launch_config(1, columns, hid, config) if tokens > 1 else (split, num_warps)
+    one_split, one_warps = one_token[-2:]
+    one_token_polls = config.fused_gemm_max_tokens >= 1 and poll_rows(meta["G_PAD"] * meta["GS_PAD"], one_warps, config)
+    # Any call outside capture makes the one-token launch's buffer (for that launch's split and
+    # warps, which its GEMV shape sets apart), so a warm-up at any token count lets a later capture
+    # at one token find it; a call at other counts never reads it, so inside capture it skips it.
+    outside_capture = hidden.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    prepare = one_token_polls and (tokens == 1 or outside_capture)
+    polled = _poll_partials(hidden.device, one_split, columns) if prepare else None
+    poll = fused and tokens == 1 and one_token_polls
     partials = polled if poll else torch.empty((split, tokens, columns), dtype=torch.float32, device=hidden.device)
     gate_w_arg = gate_weight if has_gate else router_weight  # dummies, never read without HAS_GATE
     gate_arg = gate if has_gate else logits

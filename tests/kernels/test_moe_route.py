@@ -423,20 +423,21 @@ def test_router_gemm_one_token_polling_leaves_partials_unwritten(monkeypatch, ga
 def test_router_gemm_narrow_rows_take_the_counters(monkeypatch):
     """Fewer lanes than the launch's threads (64 experts at 4 warps): a lane would be held by two
     threads, where the poll's exit count is not guaranteed to see every copy, so one token takes the
-    counters; at 2-16 tokens a pollable row still makes its one-token buffer (a warm-up at any of
-    those counts prepares a capture at one token)."""
+    counters; at more tokens a pollable row still makes its one-token buffer (a warm-up at any
+    count prepares a capture at one token), also where the call itself is two launches (the
+    shipped policy above one token)."""
     assert not K.poll_rows(64, 4) and K.poll_rows(128, 4) and not K.poll_rows(128, 8)
     made = []
     monkeypatch.setattr(K, "_poll_partials", lambda device, split, columns: made.append((split, columns)) or
                         torch.full((split, 1, columns), -1, dtype=torch.int32, device=device).view(torch.float32))  # fmt: skip
-    for experts, tokens in ((64, 1), (128, 3)):
+    for experts, tokens, fused_max in ((64, 1, 16), (128, 3, 16), (128, 2, 1)):
         c = dict(tokens=tokens, experts=experts, n_group=1, topk_group=1, top_k=4, scoring=0, has_bias=True,
                  renormalize=True, renorm_eps=0.0, scale=1.0, logits_dtype=torch.bfloat16, weights_dtype=torch.float32,
                  seed=5)  # fmt: skip
         args = router_args(c, 64, duplicate_rows=False)
         assert ranking_gaps_ok((moe_router_reference(*args)[2],) + args[2:8])
-        assert_router_matches_reference(args, fused_up_to(16))
-    assert made == [(K.gemm_launch_config(1, 128, 64)[4], 128)], made  # the one-token launch's split
+        assert_router_matches_reference(args, fused_up_to(fused_max))
+    assert made == [(K.gemm_launch_config(1, 128, 64)[4], 128)] * 2, made  # the one-token launch's split
 
 
 def test_router_gemm_rejects_what_it_cannot_do():
