@@ -184,8 +184,7 @@ def _scatter_upon_constant(node: torch.fx.Node) -> int:
         return 0
     device = full.kwargs.get("device", out_val.device)
     scalar_dtype = torch.int64 if all(isinstance(x, int) for x in (background, value)) else torch.get_default_dtype()
-    positions = [1] * len(shape)
-    positions[dim] = shape[dim]
+    positions = [shape[dim] if d == dim else 1 for d in range(len(shape))]  # the graph's own size at dim
     graph = node.graph
 
     def add(target, args, kwargs, val):
@@ -195,11 +194,12 @@ def _scatter_upon_constant(node: torch.fx.Node) -> int:
         return new
 
     expand = add(aten.expand.default, (index, list(shape)), {}, index_val.expand(out_val.shape))
-    iota = add(prims.iota.default, (out_val.shape[dim],),
+    length = out_val.shape[dim]
+    iota = add(prims.iota.default, (shape[dim],),
                {"start": 0, "step": 1, "dtype": torch.int64, "device": device, "requires_grad": False},
-               index_val.new_empty((out_val.shape[dim],), dtype=torch.int64))  # fmt: skip
-    view = add(aten.reshape.default, (iota, positions), {}, iota.meta["val"].view(
-        [out_val.shape[dim] if d == dim else 1 for d in range(len(shape))]))  # fmt: skip
+               index_val.new_empty((length,), dtype=torch.int64))  # fmt: skip
+    view = add(aten.reshape.default, (iota, positions), {},
+               iota.meta["val"].view([length if d == dim else 1 for d in range(len(shape))]))  # fmt: skip
     hit = add(aten.eq.Tensor, (expand, view), {}, out_val.new_empty(out_val.shape, dtype=torch.bool))
     scalar = {"dtype": scalar_dtype, "layout": torch.strided, "device": device, "pin_memory": False}
     one = add(aten.full.default, ([], value), scalar, out_val.new_empty((), dtype=scalar_dtype))

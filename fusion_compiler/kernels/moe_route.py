@@ -398,8 +398,7 @@ def moe_router_fwd(named: dict, hidden: torch.Tensor, router_weight: torch.Tenso
     block_t, block_e, block_k, k_steps, split, num_warps = gemm_launch_config(tokens, columns, hid, config)
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(columns, block_e), split)
     fused = tokens <= config.fused_gemm_max_tokens and min(tokens, grid[0] * grid[1] * grid[2]) <= MAX_ROUTERS
-    one_token = gemm_launch_config(1, columns, hid, config) if tokens > 1 else (split, num_warps)
-    one_split, one_warps = one_token[-2:]
+    one_split, one_warps = (split, num_warps) if tokens == 1 else gemm_launch_config(1, columns, hid, config)[4:]
     one_token_polls = config.fused_gemm_max_tokens >= 1 and poll_rows(meta["G_PAD"] * meta["GS_PAD"], one_warps, config)
     # Any call outside capture makes the one-token launch's buffer (for that launch's split and
     # warps, which its GEMV shape sets apart), so a warm-up at any token count lets a later capture

@@ -1105,26 +1105,26 @@ def _rotated_input(rotation: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def _back_through_views(node, steps: int = 4):
+    """``node``, then what it passes through (``_passes_through``) on the way back, ``steps`` at most."""
+    for _ in range(steps):
+        yield node
+        if not _passes_through(node):
+            return
+        node = node.args[0]
+
+
 def _piece_of_wider(node) -> bool:
     """A split piece or slice of a wider tensor, through the head views on the way back."""
-    for _ in range(4):
-        if mla_prologue._sliced_from(node) is not None:
-            return True
-        if not _passes_through(node):
-            return False
-        node = node.args[0]
-    return False
+    return any(mla_prologue._sliced_from(n) is not None for n in _back_through_views(node))
 
 
 def _scale_of(node) -> float | None:
     """``x * c`` for a Python number c, through the head views and casts on the way back."""
-    for _ in range(4):
-        if getattr(node, "target", None) is aten.mul.Tensor:
-            numbers = [a for a in node.args if isinstance(a, (int, float))]
+    for n in _back_through_views(node):
+        if getattr(n, "target", None) is aten.mul.Tensor:
+            numbers = [a for a in n.args if isinstance(a, (int, float))]
             return float(numbers[0]) if numbers else None
-        if not _passes_through(node):
-            return None
-        node = node.args[0]
     return None
 
 
