@@ -78,6 +78,11 @@
 #                            with their experts computed, e.g. --sources hf --hf-experts compute)
 #                            into $OUT/moe_layers_results.tgz; LAYERS_END (570) is the second the
 #                            decode bench must end by
+#   sparse-attention [ARGS...]
+#                            decode_attention's GPU tests, its skip_masked launch against the dense
+#                            one (bench/diagnostics/decode_attention_sparse.py, ~2 min), then with
+#                            ARGS bench/decode.py ARGS (e.g. --models deepseek-v3.2 --sources hf
+#                            --hf-experts compute --batches 1 64) into $OUT/sparse_attention_results.tgz
 # One-off calls of past sessions are in bench/diagnostics/*_gpu_run.sh.
 OUT=${OUT:-/tmp/out}
 phase=${1:-}; shift || true
@@ -301,9 +306,23 @@ moe-experts)
   echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
   pack moe_experts_results
   ;;
+sparse-attention)
+  R=$OUT/sparse_attention_results
+  source bench/device_setup.sh "$R"
+  run_tests decode_attention_tests 150 -m gpu tests/gpu/test_decode_attention_gpu.py tests/kernels/test_decode_attention.py
+  timeout 240 python3 bench/diagnostics/decode_attention_sparse.py \
+    --out "$R/decode_attention_sparse_h200_${FUSION_COMMIT:0:7}.json" > "$R/sparse.log" 2>&1
+  echo "sparse bench: rc=$?"; grep -v -i warn "$R/sparse.log" | cut -c1-300 | tail -n 20
+  if [ $# -gt 0 ]; then
+    timeout $((570 - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" "$@" > "$R/decode.log" 2>&1
+    echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
+  fi
+  pack sparse_attention_results
+  ;;
 *)
   echo "usage: bash bench/gpu_run.sh PHASE [ARGS...]; phases: tier mutations generate-checks generate-bench decode" \
-    "decode-checks inspect dsa gated kernels moe moe-ab moe-tail moe-variants gdn gqa-tp moe-experts (see the header)" >&2
+    "decode-checks inspect dsa gated kernels moe moe-ab moe-tail moe-variants gdn gqa-tp moe-experts sparse-attention" \
+    "(see the header)" >&2
   exit 2
   ;;
 esac

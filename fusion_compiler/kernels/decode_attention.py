@@ -19,6 +19,14 @@ CUDA graph) and ``_combine_kernel`` (one program per (batch, query head)) rescal
 them. The split count depends on shapes only (``num_splits``): about one program per SM of the
 H200 (132), at least 2 tiles a split, no empty split.
 
+``skip_masked`` (the op's ``sparse_mask``, set where the mask is DSA's top-k): each tile reads its
+mask first and loads no K / V row the mask rules out (bool False, additive -inf; a finfo.min
+entry is loaded, for the fully masked row below), so DeepSeek V3.2's top 2048 of a 4096-token
+cache read half its bytes. Off, the K load does not wait on the mask load; with it, Triton 3.6
+still pipelines K / V through cp.async, but each predicate is a byte load of the mask (sm_90
+SASS: 72 more loads a tile, 128 -> 186 registers at DeepSeek's widths). Untimed on the H200 as
+yet (bench/diagnostics/decode_attention_sparse.py).
+
 Fully masked rows: every split has m = -inf, l = 0, so the result is 0 / 0 = NaN, like
 ``scaled_dot_product_attention``'s. A ``finfo.min`` additive mask (HF's) is added in natural
 units, as the reference does, so a row masked that way everywhere averages v like eager.
@@ -58,7 +66,7 @@ import triton.language as tl
 
 from ._device import INTERPRETER, downcast, launch_on_device, mma, mma_pad, round_trip, upcast
 
-KERNEL_VERSION = "decode_attention-1"
+KERNEL_VERSION = "decode_attention-2"
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Programs to aim for: ~1 per SM of an H200 (132 SMs); each split takes at least MIN_TILES tiles.
@@ -116,24 +124,41 @@ def softmax_step(x, valid, m_i, l_i):
 def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
           stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
           D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-          BLOCK_S: tl.constexpr, MASK_KIND: tl.constexpr):  # fmt: skip
+          BLOCK_S: tl.constexpr, MASK_KIND: tl.constexpr, SKIP_MASKED: tl.constexpr):  # fmt: skip
     """One BLOCK_S tile of the online softmax; returns the new (m, l, acc)."""
     s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
     in_s = s < S
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
-    kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                 mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
-    x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-    valid = in_s
-    if MASK_KIND == 1:
-        keep = tl.load(m_base + s * stride_ms, mask=in_s, other=0)
-        valid = in_s & (keep != 0)
-    elif MASK_KIND == 2:
-        x = x + upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))[None, :]
+    if SKIP_MASKED:
+        # The mask first: a position it rules out (bool False, additive -inf) has weight exactly
+        # 0, so its K / V rows are not loaded (a top-k mask's unselected rows cost no bytes).
+        valid = in_s
+        if MASK_KIND == 1:
+            valid = in_s & (tl.load(m_base + s * stride_ms, mask=in_s, other=0) != 0)
+        elif MASK_KIND == 2:
+            bias = upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))
+            valid = in_s & (bias != float("-inf"))
+        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                     mask=(d < D)[:, None] & valid[None, :], other=0.0)  # fmt: skip
+        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+        if MASK_KIND == 2:
+            x = x + bias[None, :]
+        v_rows = valid
+    else:
+        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                     mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
+        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+        valid = in_s
+        if MASK_KIND == 1:
+            keep = tl.load(m_base + s * stride_ms, mask=in_s, other=0)
+            valid = in_s & (keep != 0)
+        elif MASK_KIND == 2:
+            x = x + upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))[None, :]
+        v_rows = in_s
     m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
     vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
-                 mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+                 mask=v_rows[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
     return m_new, l_i, acc
 
@@ -189,6 +214,7 @@ def _split_kernel(
     H_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     MASK_KIND: tl.constexpr,  # 0 none, 1 bool (uint8 view), 2 additive float
+    SKIP_MASKED: tl.constexpr,  # load no K / V row the mask rules out (read the mask first)
     SPLIT: tl.constexpr,  # write (m, l, acc) to the workspace, else out directly
     INTERP_TILES: tl.constexpr,  # tiles_per_split, under the interpreter only
 ):  # fmt: skip
@@ -203,12 +229,12 @@ def _split_kernel(
         for i in range(0, INTERP_TILES):
             m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND)  # fmt: skip
+                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND, SKIP_MASKED)  # fmt: skip
     else:
         for i in range(0, tiles_per_split):
             m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND)  # fmt: skip
+                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND, SKIP_MASKED)  # fmt: skip
     program_end(acc, m_i, l_i, b, heads, OUT, WS_ACC, WS_ML, stride_ob, stride_oh, stride_od,
                 H_KV * G, G, DV, G_PAD, DV_PAD, SPLIT)  # fmt: skip
 
@@ -322,12 +348,15 @@ def decode_attention_fwd(
     out: torch.Tensor,
     splits: int | None = None,
     block_s: int | None = None,
+    skip_masked: bool = False,
 ) -> None:
     """Launch decode attention; writes ``out`` [B, H, 1, Dv] (any strides) in q's dtype.
 
     q [B, H, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] in one of fp16 / bf16 / fp32, any
     strides; mask None, bool or additive float, [B or 1, 1, 1, S], any strides. ``splits``
     (default ``num_splits``) and ``block_s`` (default ``block_s_for``) are for tests.
+    ``skip_masked``: read the mask before K and load no K / V row it rules out (for a mask
+    known to keep few positions, e.g. DSA's top-k; each K / V load then waits on a mask load).
     No host syncs; with splits > 1 the fp32 workspace comes from ``torch.empty``.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1:
@@ -363,7 +392,7 @@ def decode_attention_fwd(
             out.stride(0), out.stride(1), out.stride(3),
             H_KV=kv_heads, G=group, D=d, DV=dv,
             G_PAD=mma_pad(group), D_PAD=mma_pad(d), DV_PAD=mma_pad(dv), BLOCK_S=block_s, MASK_KIND=mask_kind,
-            SPLIT=split,
+            SKIP_MASKED=bool(skip_masked) and mask_kind != MASK_NONE, SPLIT=split,
             INTERP_TILES=per_split if INTERPRETER else 0,
             num_warps=_NUM_WARPS,
         )  # fmt: skip

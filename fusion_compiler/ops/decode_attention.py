@@ -1,6 +1,7 @@
 """GQA-aware single-query ("decode") attention over an un-repeated K/V cache, one op.
 
-    fusion_compiler::decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor
+    fusion_compiler::decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale,
+                                      bool sparse_mask=False) -> Tensor
 
 It replaces HF transformers' decode step ``repeat_kv(k), repeat_kv(v)`` +
 ``scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask, scale=scale)``, reading the
@@ -17,6 +18,9 @@ Semantics (``decode_attention_reference`` is the numerical truth, plain torch, a
              or per-query masks (dim 1 or 2 of size > 1) are rejected.
     scores   (q.float() @ k_rep.float()^T) * scale (+ mask), softmax in fp32
     out      (p @ v_rep.float()).to(q.dtype), a new contiguous [B, H, 1, Dv]
+    sparse_mask  a hint, not semantics: the mask keeps few positions (DSA's top-k), so the
+             kernel reads the mask first and loads no K / V row it rules out. Off, it loads
+             every row and reads the mask beside them (no load waits on another).
 
 A row with every position masked gives NaN, like sdpa. The kernel rounds p to V's dtype before
 the P @ V product (tensor-core operands), so bf16 / fp16 outputs agree with the reference to
@@ -38,7 +42,7 @@ __all__ = ["SUPPORTED_DTYPES", "decode_attention_reference"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor"
+_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool sparse_mask=False) -> Tensor"
 
 
 def _validate(q, k, v, mask, scale) -> tuple[int, int, int]:
@@ -99,23 +103,23 @@ def decode_attention_reference(q, k, v, mask, scale):
 
 
 @torch.library.custom_op("fusion_compiler::decode_attention", mutates_args=(), schema=_SCHEMA)
-def _op(q, k, v, mask, scale):
+def _op(q, k, v, mask, scale, sparse_mask=False):
     return decode_attention_reference(q, k, v, mask, scale)
 
 
 @_op.register_fake
-def _fake(q, k, v, mask, scale):
+def _fake(q, k, v, mask, scale, sparse_mask=False):
     heads, _, dv = _validate(q, k, v, mask, scale)
     return q.new_empty((q.shape[0], heads, 1, dv))
 
 
 @_op.register_kernel("cuda")
-def _cuda(q, k, v, mask, scale):
+def _cuda(q, k, v, mask, scale, sparse_mask=False):
     # Imported lazily: only CUDA needs triton, and the import must come after any
     # TRITON_INTERPRET setting.
     from fusion_compiler.kernels.decode_attention import decode_attention_fwd
 
     heads, _, dv = _validate(q, k, v, mask, scale)
     out = torch.empty((q.shape[0], heads, 1, dv), dtype=q.dtype, device=q.device)
-    decode_attention_fwd(q, k, v, mask, scale, out)
+    decode_attention_fwd(q, k, v, mask, scale, out, skip_masked=sparse_mask)
     return out

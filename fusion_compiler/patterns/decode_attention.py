@@ -15,6 +15,10 @@ site; it fuses when dropout is 0, it is not causal, only the attention output is
 log-sum-exp), and the mask (after its broadcasts, alignment pad and slice) is one row of S per
 batch entry: ``[B or 1, 1, 1, >= S]``, bool or additive. Anything else is a miss with its reason.
 Prefill (query length > 1) is not a site.
+
+Where the mask is a top-k mask (dsa_topk_mask's op, through views: DeepSeek V3.2's sparse
+attention keeps ``index_topk`` of S positions), the op is told so (``sparse_mask``) and loads no
+K / V row the mask rules out; the site's variant says ``sparse``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,30 @@ def _mask_row(mask: torch.fx.Node, batch: int, keys: int) -> tuple[torch.fx.Node
     return f"the mask {val_shape(mask)} is per head or per query ({node.name} {val_shape(node)}), not one row of keys per sequence"
 
 
+_MASK_VIEWS = (*RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.slice.Tensor,
+               aten.constant_pad_nd.default)
+
+
+def _full_of(node, value: float) -> bool:
+    return getattr(node, "target", None) is aten.full.default and list(node.args[0]) == [] and node.args[1] == value
+
+
+def _is_top_k_mask(mask: torch.fx.Node) -> bool:
+    """Whether ``mask`` is dsa_topk_mask's output through views (at most a few) and SDPA's
+    bool-to-additive conversion, ``where(keep, 0, -inf)``."""
+    node = mask
+    for _ in range(6):
+        if node.op != "call_function":
+            return False
+        if node.target is torch.ops.fusion_compiler.dsa_topk_mask.default:
+            return True
+        additive = node.target is aten.where.self and _full_of(node.args[1], 0.0) and _full_of(node.args[2], float("-inf"))
+        if node.target not in _MASK_VIEWS and not additive:
+            return False
+        node = node.args[0]
+    return False
+
+
 def _decline(node: torch.fx.Node) -> str | None:
     if _arg(node, "dropout_p", 0.0):
         return "dropout is on"
@@ -103,6 +131,7 @@ def _decline(node: torch.fx.Node) -> str | None:
 def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
     """Replace every single-query SDPA site; one Site per candidate, matched or missed."""
     from ..ops import decode_attention as _registers_the_op  # noqa: F401
+    from ..ops import dsa_topk_mask as _registers_the_mask_op  # noqa: F401
 
     op = torch.ops.fusion_compiler.decode_attention.default
     sites = []
@@ -152,7 +181,8 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
                     sliced = graph.call_function(aten.slice.Tensor, (mask_arg, 3, 0, keys))
                     sliced.meta["val"] = mask_val
                     mask_arg = sliced
-            args = (q, sources[0][0], sources[1][0], mask_arg, scale)
+            sparse = mask_arg is not None and _is_top_k_mask(mask_arg)
+            args = (q, sources[0][0], sources[1][0], mask_arg, scale, *((True,) if sparse else ()))
             out = graph.call_function(op, args)
             out.meta["val"] = out_val
         for user in list(node.users):
@@ -160,6 +190,8 @@ def fuse_decode_attention(graph: torch.fx.Graph) -> list[Site]:
             graph.erase_node(user)
         graph.erase_node(node)
         site.status, site.variant = "matched", "repeat_kv" if sources[0][1] != heads else "heads"
+        if sparse:
+            site.variant += ".sparse"
         sites.append(site)
     return sites
 

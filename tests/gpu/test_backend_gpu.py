@@ -43,6 +43,9 @@ def test_tiny_hf_model_fuses_and_matches_eager_on_cuda(name):
     folded_norms = sum(1 for _, kind, count in merges if kind == "kv" and count == 3)
     assert launches("_rms_norm_fwd_kernel") == sum(sites.values()) - folded_norms, kernels.names
     assert launches("_mla_kv_prologue_kernel") + launches("_mla_q_prologue_kernel") == len(merges), kernels.names
+    if name == "deepseek-v3.2":  # the attention's mask is the indexer's top-k: the sparse launch
+        attention = [s.variant for s in backend.report.sites if s.family == "decode_attention" and s.status == "matched"]
+        assert attention and all(v.endswith(".sparse") for v in attention), backend.report.to_dict()["sites"]
     _assert_replays_follow_new_tokens(model, compiled, step)
 
 

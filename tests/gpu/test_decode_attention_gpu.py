@@ -8,6 +8,9 @@ stride > S), masks bool per sequence (causal prefixes of different lengths, with
 additive with HF's finfo.min, or one row expanded over the batch. One sequence of 4096 positions
 (several splits and the combine), four ragged ones (S not a multiple of the tile).
 
+DeepSeek's sparse variant (``skip_masked``: DSA's top 2048 of 4096, the unselected K / V rows NaN,
+so a loaded one would show) at batch 1 and 8, bool and SDPA's additive -inf mask.
+
 The float64 reference (gpu_reference.decode_attention64) is the contract's math; the kernel
 rounds p to bf16 for the P @ V product and the output to bf16, so element-wise within 2**-6 of
 (|want| + the row's rms). The output starts NaN with guard slabs, and every element must be
@@ -19,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.gpu_reference import assert_rows_close, cases, decode_attention64, device_randn, generator, randn
+from gpu.gpu_reference import assert_rows_close, cases, decode_attention64, device_randn, generator, needs_cuda, randn
 from kernel_fixtures import DEVICE, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
 
 pytestmark = pytest.mark.gpu
@@ -63,3 +66,30 @@ def test_decode_attention_matches_float64(case):
     K.decode_attention_fwd(q, k, v, mask, scale, out)
     assert_guards_untouched(buf)
     assert_rows_close(out, decode_attention64(q, k, v, mask, scale), 2**-6, "out")
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kind", ["bool", "add_inf"])
+def test_sparse_decode_attention_loads_only_kept_rows(batch, kind):
+    heads, kv_heads, d, dv = MODELS["deepseek-v3.2"]
+    seq, top_k = 4096, 2048
+    gen = generator(batch * 7 + len(kind))
+    q = randn(gen, batch, 1, heads, d).transpose(1, 2)
+    k = device_randn(3 * batch, batch, kv_heads, seq, d)
+    v = device_randn(3 * batch + 1, batch, kv_heads, seq, dv)
+    keep = torch.zeros(batch, seq, dtype=torch.bool)
+    for row in range(batch):
+        keep[row, torch.randperm(seq, generator=gen)[:top_k]] = True
+    keep = keep.to(DEVICE)
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(torch.bfloat16)
+    mask = mask[:, None, None, :]
+    scale = d**-0.5
+    want = decode_attention64(q, k, v, mask, scale)
+    ruled_out = ~keep[:, None, :, None]
+    k.masked_fill_(ruled_out, float("nan"))
+    v.masked_fill_(ruled_out, float("nan"))
+    buf, out = poisoned((batch, heads, 1, dv), torch.bfloat16)
+    K.decode_attention_fwd(q, k, v, mask, scale, out, skip_masked=True)
+    assert_guards_untouched(buf)
+    assert_rows_close(out, want, 2**-6, "out")

@@ -64,11 +64,11 @@ def _mask(kind, b, s, dtype, gen):
     return mask.expand(b, 1, 1, s) if kind.endswith("expanded") else mask
 
 
-def _run(c, splits=None, block_s=None):
+def _run(c, splits=None, block_s=None, skip_masked=False):
     q, k, v, mask, scale = _inputs(c)
     ref = decode_attention_reference(q, k, v, mask, scale)
     buf, out = poisoned(tuple(ref.shape), c["dtype"])
-    K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=block_s)
+    K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=block_s, skip_masked=skip_masked)
     assert_guards_untouched(buf)
     assert not bool(torch.isnan(out).any()), "an output element was not written"
     err = relative_error(out, ref)
@@ -111,9 +111,40 @@ def configs(draw):
 
 
 @settings(max_examples=examples(8), deadline=None)
-@given(c=configs(), splits=st.sampled_from([None, 1, 2, 4]), block_s=st.sampled_from([None, 16]))
-def test_kernel_matches_reference_random(c, splits, block_s):
-    _run(c, splits, block_s)
+@given(c=configs(), splits=st.sampled_from([None, 1, 2, 4]), block_s=st.sampled_from([None, 16]),
+       skip_masked=st.booleans())  # fmt: skip
+def test_kernel_matches_reference_random(c, splits, block_s, skip_masked):
+    _run(c, splits, block_s, skip_masked)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "add_inf"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_skip_masked_loads_no_row_the_mask_rules_out(mask_kind, splits):
+    """A top-k mask's unselected K / V rows (and a static cache's tail) are NaN here: with
+    ``skip_masked`` the kernel never loads them, so the output equals the reference over the
+    clean cache; without it they reach the output (masked scores get weight 0, but 0 * NaN
+    rows of V are NaN), so the poison does reach the kernel."""
+    c = _case(batch=2, kv_heads=2, group=2, seq=70, d=24, dv=40, dtype=torch.bfloat16, mask="bool")
+    q, k, v, _, scale = _inputs(c)
+    gen = torch.Generator().manual_seed(11)
+    keep = torch.zeros(2, 70, dtype=torch.bool)
+    for row, length in enumerate((70, 45)):  # row 1: a cache written up to 45 of 70
+        keep[row, torch.randperm(length, generator=gen)[:20]] = True  # top 20 of the written
+    keep = keep.to(DEVICE)
+    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(c["dtype"])
+    mask = mask[:, None, None, :]
+    ref = decode_attention_reference(q, k, v, mask, scale)
+    ruled_out = ~keep[:, None, :, None]
+    k_poisoned, v_poisoned = k.masked_fill(ruled_out, float("nan")), v.masked_fill(ruled_out, float("nan"))
+    for skip in (True, False):
+        buf, out = poisoned(tuple(ref.shape), c["dtype"])
+        K.decode_attention_fwd(q, k_poisoned, v_poisoned, mask, scale, out, splits=splits, block_s=16, skip_masked=skip)
+        assert_guards_untouched(buf)
+        if skip:
+            assert not bool(torch.isnan(out).any())
+            assert relative_error(out, ref) < TOLERANCE[c["dtype"]]
+        else:
+            assert bool(torch.isnan(out).all())
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -160,4 +191,4 @@ def test_split_rule_depends_on_shapes_only():
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["decode_attention"] == K.KERNEL_VERSION == "decode_attention-1"
+    assert KERNEL_VERSIONS["decode_attention"] == K.KERNEL_VERSION == "decode_attention-2"

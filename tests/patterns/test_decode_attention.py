@@ -7,7 +7,7 @@ rounding. MiniMax and Qwen3.5's full attention repeat the cache. DeepSeek's expa
 whose q and v widths differ into its math there; on CUDA it is a cuDNN SDPA op, a site (the H200
 decode bench reports it). Near misses must stay SDPA: a per-head mask, a causal single query, a
 float64 attention (the kernel takes fp16 / bf16 / fp32); prefill (several queries) is not a site
-at all.
+at all. A mask made by DeepSeek's indexer (top-k, in miniature) fuses as the ``sparse`` variant.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _compile(module, *inputs):
 
 def test_a_one_row_mask_fuses_and_equals_sdpa():
     report, out, want = _compile(_Attention(), *_inputs())
-    assert report.count(FAMILY, "repeat_kv") == 1
+    assert report.count(FAMILY, "repeat_kv") == 1  # not ".sparse": a causal mask keeps most rows
     assert relative_error(out.float(), want.float()) < 1e-2
 
 
@@ -102,6 +102,34 @@ def test_near_misses_stay_sdpa_with_a_reason(module, inputs, reason):
     assert report.count(FAMILY) == 0
     (miss,) = report.misses(FAMILY)
     assert reason in miss.reason
+    assert relative_error(out.float(), want.float()) < 1e-2
+
+
+class _TopKAttention(torch.nn.Module):
+    """DeepSeek V3.2's sparse attention in miniature: HF's indexer tail and scatter (top-k of
+    the indexer's scores, as ``DeepseekV32Indexer`` and ``DeepseekV32Attention`` write them) make
+    the bool mask, then SDPA over a repeated cache (q and v one width, so the CPU keeps SDPA)."""
+
+    def forward(self, q, k_cache, v_cache, mask, index_q, index_keys, index_weights, top_k: int = 6):
+        scores = torch.relu(torch.matmul(index_q.float(), index_keys.float().transpose(-1, -2).unsqueeze(1)) * 0.25)
+        index = torch.matmul((index_weights.float() * 0.5).unsqueeze(-2), scores).squeeze(-2)
+        index = index.masked_fill(~mask[:, 0], float("-inf"))
+        top = index.topk(top_k, dim=-1).indices.to(torch.int32)
+        index_mask = top.new_ones(index.shape, dtype=torch.bool).scatter(-1, top.long(), False).unsqueeze(1)
+        return _Attention()(q, k_cache, v_cache, mask & ~index_mask)
+
+
+def test_a_top_k_mask_fuses_as_sparse_and_equals_sdpa():
+    """The mask is dsa_topk_mask's: the op is told it is sparse (its kernel then loads only the
+    kept rows); a causal mask alone (above) is not."""
+    q, k, v, mask = _inputs()
+    gen = torch.Generator().manual_seed(5)
+    # 8 indexer heads with positive weights: no key's score is a relu-zero tie at the k-th.
+    index_inputs = (torch.randn(2, 1, 8, 16, generator=gen), torch.randn(2, 24, 16, generator=gen),
+                    torch.rand(2, 1, 8, generator=gen) + 0.1)  # fmt: skip
+    report, out, want = _compile(_TopKAttention(), q, k, v, mask, *index_inputs)
+    assert report.count("dsa_topk_mask") == 1
+    assert report.count(FAMILY, "repeat_kv.sparse") == 1
     assert relative_error(out.float(), want.float()) < 1e-2
 
 
