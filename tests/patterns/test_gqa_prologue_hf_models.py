@@ -34,6 +34,8 @@ import fusion_compiler as fc
 from fusion_compiler.model_adapters import adapter_from_hf_config, make_decode_step
 from fusion_compiler.patterns import add_rms_norm, gqa_prologue, mla_prologue
 from fusion_compiler.verify import relative_error
+# Imported here, not in forward: torch 2.11's Dynamo breaks the graph at an import statement.
+from transformers.models.glm4 import modeling_glm4 as glm4
 from gqa_fixtures import assert_hf_caches, assert_missed, compile_beside_eager
 from model_configs import GLM4_MOE, QWEN3_MOE
 
@@ -133,8 +135,6 @@ def _rope_glm4(q, k, cos, sin, angles: str):
     angles taken as GLM-4 takes them (``pairs``: the first half ``repeat_interleave``d) or in a
     NeoX layout on the same GPT-J pairs (``tiles``: ``cat([half, half])``; ``as_is``: cos / sin
     as they are): the two lanes of a pair then turn by different angles."""
-    from transformers.models.glm4 import modeling_glm4 as glm4
-
     if angles == "pairs":
         return glm4.apply_rotary_pos_emb(q, k, cos, sin)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
