@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 # so its module-scoped fixtures are built once. On 2 cores the CPU tier took 8.5 min in one process, 6 in two.
 WORKERS ?= 2
 
-.PHONY: demo test test-nightly test-vllm gpu-test clean
+.PHONY: demo test test-nightly test-vllm test-torch-2.11 gpu-test clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ test-nightly: $(STAMP)
 # fusion_compiler.egg-info there (written by .venv's editable install) hide our vLLM entry point.
 test-vllm:
 	venv="$$(.ci/vllm_env)" && "$$venv/bin/pytest" -q -m vllm tests/integrations
+
+# The oldest supported torch, 2.11.0 (the H200's), in its own venv outside the clone (.ci/torch_env:
+# about 5 GB, installed once, reused): the tests that compile models and match their graphs, whose
+# spelling moves between torch versions (GLM-4.5's routing mask did, 2026-12-05).
+TORCH_FLOOR_TESTS ?= tests/patterns tests/passes tests/model_adapters tests/inspect tests/test_compile_routes.py
+test-torch-2.11:
+	venv="$$(.ci/torch_env)" && "$$venv/bin/pytest" -q -n $(WORKERS) --dist loadfile $(TORCH_FLOOR_TESTS)
 
 # On a CUDA machine with the package installed (e.g. the H200): the GPU tier.
 gpu-test:

@@ -37,7 +37,8 @@ def _adapter(tmp_path, **fields):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """(model, expected sites, report, fused logits, eager logits) of a full + shared stack."""
+    """(model, expected sites, report, fused logits, eager logits, stock Inductor's logits) of a
+    full + shared stack."""
     adapter = _adapter(tmp_path_factory.mktemp("glm"), index_topk_pattern="FS")
     model = adapter.build_hf(size="tiny", dtype=torch.bfloat16)
     expected = adapter.expected_sites(model)
@@ -45,7 +46,9 @@ def shared(tmp_path_factory):
     torch._dynamo.reset()
     eager = make_decode_step(model).run(model)
     fused = make_decode_step(model).run(torch.compile(model, backend=backend))
-    return model, expected, backend.report, fused, eager
+    torch._dynamo.reset()
+    stock = make_decode_step(model).run(torch.compile(model, backend="inductor"))
+    return model, expected, backend.report, fused, eager, stock
 
 
 def test_a_shared_layer_has_no_indexer(shared):
@@ -64,7 +67,7 @@ def test_a_shared_layer_expects_no_indexer_sites(shared):
 def test_the_shared_top_k_fuses_once_for_both_layers(shared):
     from fusion_compiler.verify import relative_error
 
-    _, expected, report, fused, eager = shared
+    _, expected, report, fused, eager, stock = shared
     assert report.per_module("dsa_topk_mask") == expected["dsa_topk_mask"]
     assert not report.misses("dsa_topk_mask")
     assert report.per_layer("mla_prologue").get(1) == 2  # the shared layer's q and kv RoPE
@@ -78,7 +81,9 @@ def test_the_shared_top_k_fuses_once_for_both_layers(shared):
     reasons = {s.reason for s in report.sites if s.family == "mla_prologue" and s.status == "missed"}
     assert reasons == {"the indexer ropes interleaved (GPT-J) pairs; the indexer prologue's kernels rotate NeoX "
                        "halves, as DeepSeek V3.2's indexer does, and have no pairs layout"}  # fmt: skip
-    assert relative_error(fused, eager) < 2e-2
+    # As the numerics gate: stock Inductor's logits are 7.7e-3 from eager on torch 2.13 (ours
+    # 8.0e-3), but 0.45 on torch 2.11 (ours 0.45, with or without 2.13's pointless_convert).
+    assert relative_error(fused, eager) < max(1.5 * relative_error(stock, eager), 2e-2)
 
 
 def test_every_layer_full_expects_an_indexer_per_layer(tmp_path):

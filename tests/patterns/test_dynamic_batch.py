@@ -16,6 +16,7 @@ from fusion_compiler.model_adapters import get_adapter, make_decode_step
 from fusion_compiler.model_adapters.reference import paged_kv
 from fusion_compiler.model_adapters.reference import minimax_m2_decode_layer as decode_layer
 from fusion_compiler.verify import relative_error
+from router_ties import near_tied, router_margins
 
 CONTEXT = 20
 
@@ -82,7 +83,11 @@ def test_hf_model_fuses_every_site_again_after_the_batch_goes_dynamic(model_name
     with torch.no_grad():
         for batch in (2, 3):
             step = make_decode_step(model, batch=batch, context=16, seed=batch, max_cache_len=32)
-            got, want = step.run(compiled), step.run(model)
-            assert relative_error(got.float(), want.float()) < 2e-2, batch
+            got = step.run(compiled)
+            with router_margins(model) as margins:
+                want = step.run(model)
+            # Rows whose routing is a near tie may pick the other expert (tests/router_ties.py).
+            kept = ~near_tied(margins, (batch, 1))[:, 0]
+            assert kept.any() and relative_error(got[kept].float(), want[kept].float()) < 2e-2, batch
     assert backend.compiles == 2  # the static batch-2 graph, then one with a symbolic batch
     assert backend.report.missing_expected() == []

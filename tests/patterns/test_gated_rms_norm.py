@@ -20,6 +20,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNo
 import fusion_compiler as fc
 from fusion_compiler.model_adapters import get_adapter
 from fusion_compiler.verify import relative_error
+from router_ties import near_tied, router_margins
 
 FAMILY = "gated_rms_norm"
 HEAD_V_DIM = 64
@@ -39,8 +40,13 @@ def hf_prefill():
         # between near-equal experts (stock Inductor and the inlined routing reference happened
         # not to flip there). Near ties are documented (ops/moe_route.py); routing has its own tests.
         fused = torch.compile(model, backend=backend, dynamic=False)(input_ids=ids, use_cache=False).logits
-        eager = model(input_ids=ids, use_cache=False).logits
-    return dict(report=backend.report, error=relative_error(fused, eager), kinds=adapter.layer_kinds(model.config))
+        with router_margins(model) as margins:
+            eager = model(input_ids=ids, use_cache=False).logits
+    # Under torch 2.11 token (0, 2) flips: layer 2's router scores its 2nd and 3rd experts 1.1e-4
+    # apart in fp32 (tests/router_ties.py), and the tokens after it attend to it.
+    kept = ~near_tied(margins, tuple(ids.shape), prefill=True)
+    return dict(report=backend.report, error=relative_error(fused[kept], eager[kept]), kept=int(kept.sum()),
+                kinds=adapter.layer_kinds(model.config))  # fmt: skip
 
 
 def test_hf_prefill_fuses_one_gated_norm_per_gdn_layer(hf_prefill):
@@ -51,6 +57,9 @@ def test_hf_prefill_fuses_one_gated_norm_per_gdn_layer(hf_prefill):
     assert report.per_variant()["gated_rms_norm.hf"] == 3
     assert report.per_layer("gdn") == {}  # prefill: no delta-rule step for the gdn family
     assert not [s for s in report.misses() if s.family == FAMILY]
+    # Of 10 tokens, those at or after a near tie in their sequence are left out (4 are kept on
+    # torch 2.11: sequence 0's first token is 4.4e-3 from a tie at layer 0).
+    assert hf_prefill["kept"] >= 3
     assert hf_prefill["error"] < 2e-2
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fusion_compiler as fc
+from fusion_compiler._compat import JOINT_GRAPH_DROPS_ROUND_TRIPS
 from fusion_compiler.model_adapters import make_decode_step
 from fusion_compiler.model_adapters.reference import deepseek_v32 as ref
 from fusion_compiler.fx.module_paths import layer_of
@@ -46,8 +47,16 @@ def reference_run():
     with torch.no_grad():
         eager = model(**eager_step.kwargs)
         fused = torch.compile(model, backend=backend)(**fused_step.kwargs)
+        # Torch 2.11's joint graph folds x.to(bf16).to(float32): the rounding before the FP8
+        # quantisation is gone for stock Inductor and for us alike (bench/NOTES.md section 12), so
+        # there stock Inductor's bytes are the bar for layer 0's (measured on 2.11: ours one
+        # FP8 code off eager in one byte; with 2.13's rule patched into 2.11, eager's bytes).
+        stock_step = step.clone() if JOINT_GRAPH_DROPS_ROUND_TRIPS else None
+        if stock_step is not None:
+            torch._dynamo.reset()
+            torch.compile(model, backend="inductor")(**stock_step.kwargs)
     return dict(cfg=cfg, report=backend.report, eager=eager, fused=fused, pristine=pristine,
-                eager_step=eager_step, fused_step=fused_step)  # fmt: skip
+                eager_step=eager_step, fused_step=fused_step, stock_step=stock_step)  # fmt: skip
 
 
 def test_reference_every_layer_fuses_its_four_sites(reference_run):
@@ -89,8 +98,11 @@ def test_reference_layer0_cache_bytes_equal_eager_and_untouched_slots_unchanged(
             untouched[slots] = False
             assert torch.equal(f[untouched], b[untouched]), (name, layer)
             assert not torch.equal(f[slots], b[slots]), (name, layer)
-            if layer == 0:
+            if layer == 0 and reference_run["stock_step"] is None:
                 assert torch.equal(f[slots], e[slots]), name
+            elif layer == 0:  # no more bytes off eager's than stock Inductor's
+                s = reference_run["stock_step"].kwargs[name][layer].view(-1, b.shape[-1])
+                assert (f[slots] != e[slots]).sum() <= (s[slots] != e[slots]).sum(), name
 
 
 @pytest.fixture(scope="module")

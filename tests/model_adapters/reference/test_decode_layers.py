@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fusion_compiler as fc
+from fusion_compiler._compat import JOINT_GRAPH_DROPS_ROUND_TRIPS
 from fusion_compiler.model_adapters.reference import moe, paged_kv
 from fusion_compiler.model_adapters.reference import deepseek_v32_decode_layer as deepseek
 from fusion_compiler.model_adapters.reference import minimax_m2_decode_layer as minimax
@@ -171,6 +172,36 @@ def test_stubbed_experts_stay_one_opaque_node_per_layer():
 FUSED_STACKS = {"deepseek": 1, "minimax": 1, "qwen": [LINEAR, FULL]}
 
 
+def _stock_where_torch_drops_the_rounding(model, step):
+    """Torch 2.11's joint graph folds ``x.to(bf16).to(float32)`` (`_compat.JOINT_GRAPH_DROPS_ROUND_TRIPS`):
+    the bf16 rounding DeepSeek applies before its FP8 quantisation is gone from the graph stock
+    Inductor and our pass compile, so neither can write eager's FP8 bytes (measured, 1-layer
+    DeepSeek on 2.11: stock 1.4e-2 from eager and 112 + 23 cache bytes off, ours 1.3e-2 and 5 + 0;
+    with 2.13's rule patched in, ours 2.3e-3 and bytes equal). There, stock Inductor's (output,
+    caches) on the same step are the bar, as in the numerics gate; None where torch keeps it."""
+    if not JOINT_GRAPH_DROPS_ROUND_TRIPS or not any(c.dtype == torch.uint8 for c in step.caches()):
+        return None
+    stock_step = step.clone()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="inductor")(**stock_step.kwargs)
+    return out, stock_step.caches()
+
+
+def _assert_matches_eager(fused, eager, fused_caches, eager_caches, stock=None):
+    """Output within 1e-2 of eager's, FP8 (uint8) caches eager's bytes, others within 1e-2. With
+    ``stock`` (above): output within max(1.5 x stock's error, 1e-2), FP8 caches no more bytes off
+    eager's than stock's."""
+    bound = 1e-2 if stock is None else max(1.5 * relative_error(stock[0], eager), 1e-2)
+    assert relative_error(fused, eager) < bound
+    stock_caches = eager_caches if stock is None else stock[1]
+    for fused_cache, eager_cache, stock_cache in zip(fused_caches, eager_caches, stock_caches):
+        if eager_cache.dtype == torch.uint8:  # DeepSeek's FP8 latent and indexer rows: the same bytes
+            assert (fused_cache != eager_cache).sum() <= (stock_cache != eager_cache).sum()
+        else:
+            assert relative_error(fused_cache, eager_cache) < 1e-2
+
+
 @pytest.fixture(scope="module", params=sorted(FUSED_STACKS))
 def fused_run(request):
     from torch._inductor.utils import run_and_get_code
@@ -187,7 +218,8 @@ def fused_run(request):
         compiled = torch.compile(model, backend=backend)
         fused, code = run_and_get_code(lambda: compiled(**fused_step.kwargs))
     return dict(model=model, expected=expected, report=backend.report, eager=eager, fused=fused, code="\n".join(code),
-                eager_caches=eager_step.caches(), fused_caches=fused_step.caches())  # fmt: skip
+                eager_caches=eager_step.caches(), fused_caches=fused_step.caches(),
+                stock=_stock_where_torch_drops_the_rounding(model, step))  # fmt: skip
 
 
 def test_every_expected_site_fuses(fused_run):
@@ -201,12 +233,8 @@ def test_every_expected_site_fuses(fused_run):
 
 def test_compiled_step_matches_eager(fused_run):
     # Measured: outputs 2.7e-3 (DeepSeek), 3.6e-3 (MiniMax), 5.1e-3 (Qwen3.5); caches <= 1.6e-3.
-    assert relative_error(fused_run["fused"], fused_run["eager"]) < 1e-2
-    for fused, eager in zip(fused_run["fused_caches"], fused_run["eager_caches"]):
-        if eager.dtype == torch.uint8:  # DeepSeek's FP8 latent and indexer rows: the same bytes
-            assert torch.equal(fused, eager)
-        else:
-            assert relative_error(fused, eager) < 1e-2
+    _assert_matches_eager(fused_run["fused"], fused_run["eager"], fused_run["fused_caches"], fused_run["eager_caches"],
+                          fused_run["stock"])  # fmt: skip
 
 
 def test_compiled_code_calls_the_experts_op_once_per_layer(fused_run):
@@ -246,9 +274,9 @@ def test_deepseek_fp8_linears_read_their_bf16_weights(monkeypatch):
     attn = model.layers[0].self_attn
     per_layer = sorted(tuple(w.shape) for w in (attn.fused_qkv_a_proj, attn.q_b_proj, attn.indexer.wq_b))
     assert sorted(widened) == per_layer, widened
-    assert relative_error(fused, eager) < 1e-2
-    for fused_cache, eager_cache in zip(fused_step.caches(), eager_step.caches()):
-        assert torch.equal(fused_cache, eager_cache)  # FP8 rows, byte for byte
+    assert all(c.dtype == torch.uint8 for c in step.caches())  # FP8 rows, byte for byte
+    _assert_matches_eager(fused, eager, fused_step.caches(), eager_step.caches(),
+                          _stock_where_torch_drops_the_rounding(model, step))
 
 
 # ------------------------------------------------------------------------------------------

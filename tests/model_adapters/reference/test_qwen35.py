@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusion_compiler._compat import JOINT_GRAPH_DROPS_ROUND_TRIPS
 from fusion_compiler.model_adapters import get_adapter
 from fusion_compiler.model_adapters.reference import paged_kv
 from fusion_compiler.model_adapters.reference import qwen35 as ref
@@ -91,7 +92,8 @@ def test_cache_writes_only_the_tokens_slots():
 def test_prologue_compiles_without_graph_breaks_and_equals_eager(emulate_precision_casts):
     """Default Inductor keeps the norm's output in fp32 inside the fused norm + RoPE kernel (it
     skips the bf16 rounding between them), so the rotary dims of q and k may differ by a bf16 ulp;
-    with ``emulate_precision_casts`` it rounds as eager does and the results are bit-equal."""
+    with ``emulate_precision_casts`` it rounds as eager does and the results are bit-equal (where
+    Inductor's joint graph keeps a bf16 round trip: torch 2.13 on, `_compat.JOINT_GRAPH_DROPS_ROUND_TRIPS`)."""
     cfg = ref.ReferenceConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16, block_size=4)
     torch.manual_seed(0)
     ours = ref.Attention(cfg).to(torch.bfloat16)
@@ -111,8 +113,10 @@ def test_prologue_compiles_without_graph_breaks_and_equals_eager(emulate_precisi
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     assert torch.equal(gate_comp, gate_eager)
     assert torch.equal(v_comp, v_eager)
-    if emulate_precision_casts:
+    if emulate_precision_casts and not JOINT_GRAPH_DROPS_ROUND_TRIPS:
         assert torch.equal(q_comp, q_eager) and torch.equal(k_comp, k_eager)
     else:  # measured: q 1.1e-3, k 1.6e-4 (34 of 768 q values, all in the 16 rotary dims)
+        # Torch 2.11's joint-graph pointless_convert folds the norm's bf16 round trip even under
+        # emulate_precision_casts (stock Inductor, no pass of ours), so there only this bound holds.
         assert relative_error(q_comp, q_eager) < 5e-3
         assert relative_error(k_comp, k_eager) < 5e-3
