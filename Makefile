@@ -1,6 +1,6 @@
 # Commands, each does its own set-up on a fresh machine:
 #   make demo         - `fusion-compiler inspect` on all three models, tiny, on CPU
-#   make test         - the CPU test tier (what CI runs, then test-vllm)
+#   make test         - the CPU test tier (what CI runs, then test-vllm and test-torch-2.11)
 #   make test-nightly - every CPU-runnable test: the CPU tier plus `nightly` (knob variants,
 #                       extra parametrizations, long sweeps, hypothesis's full example counts)
 # The environment (.venv) is created if missing, pinned by constraints.txt.

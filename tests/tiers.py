@@ -87,6 +87,8 @@ def main() -> None:
         "  extra parametrizations of a test the CI tier runs, and long sweeps; each mark's reason is",
         "  written beside it.",
         "- **gpu** (`make gpu-test` on the H200) and **vllm** (`make test-vllm`).",
+        "- **torch 2.11** (`make test-torch-2.11`, in `.ci/run` after the vLLM tier): the CI tier's",
+        "  tests/patterns, passes, model_adapters, inspect and test_compile_routes.py under torch 2.11.0.",
         "",
         "On this project's 2-core machine (December 2026), the CI tier took 6.0 to 9.2 min under `make test`",
         "(two pytest-xdist workers; 9:10 for 715 tests in a fresh clone at b86f2da, the whole `.ci/run`",
