@@ -19,6 +19,11 @@ def target(node):
     return getattr(node, "target", None)
 
 
+def is_full(node, value, shape=None) -> bool:
+    """``aten.full(shape, value)``: a constant of ``value`` (any shape where ``shape`` is None)."""
+    return target(node) is aten.full.default and node.args[1] == value and (shape is None or list(node.args[0]) == list(shape))
+
+
 def is_silu(node) -> bool:
     """SiLU as post-grad graphs spell it: aten.silu, or x / (1 + exp(-x))."""
     if target(node) is aten.silu.default:

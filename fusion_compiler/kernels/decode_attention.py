@@ -121,6 +121,21 @@ def softmax_step(x, valid, m_i, l_i):
 
 
 @triton.jit
+def _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND: tl.constexpr, INF_RULES_OUT: tl.constexpr):
+    """(the tile's positions that count, the additive mask's fp32 values or 0.0); an additive
+    -inf rules a position out only with ``INF_RULES_OUT`` (the softmax gives it weight 0 either way)."""
+    valid = in_s
+    bias = 0.0
+    if MASK_KIND == 1:
+        valid = in_s & (tl.load(m_base + s * stride_ms, mask=in_s, other=0) != 0)
+    elif MASK_KIND == 2:
+        bias = upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))
+        if INF_RULES_OUT:
+            valid = in_s & (bias != float("-inf"))
+    return valid, bias
+
+
+@triton.jit
 def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
           stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
           D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
@@ -130,35 +145,23 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
     in_s = s < S
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
+    # SKIP_MASKED reads the mask first: a position it rules out (bool False, additive -inf) has
+    # weight exactly 0, so its K / V rows are not loaded. Otherwise K's load waits on nothing.
     if SKIP_MASKED:
-        # The mask first: a position it rules out (bool False, additive -inf) has weight exactly
-        # 0, so its K / V rows are not loaded (a top-k mask's unselected rows cost no bytes).
-        valid = in_s
-        if MASK_KIND == 1:
-            valid = in_s & (tl.load(m_base + s * stride_ms, mask=in_s, other=0) != 0)
-        elif MASK_KIND == 2:
-            bias = upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))
-            valid = in_s & (bias != float("-inf"))
-        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                     mask=(d < D)[:, None] & valid[None, :], other=0.0)  # fmt: skip
-        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-        if MASK_KIND == 2:
-            x = x + bias[None, :]
-        v_rows = valid
+        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
+        rows = valid
     else:
-        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                     mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
-        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-        valid = in_s
-        if MASK_KIND == 1:
-            keep = tl.load(m_base + s * stride_ms, mask=in_s, other=0)
-            valid = in_s & (keep != 0)
-        elif MASK_KIND == 2:
-            x = x + upcast(tl.load(m_base + s * stride_ms, mask=in_s, other=0.0))[None, :]
-        v_rows = in_s
+        rows = in_s
+    kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                 mask=(d < D)[:, None] & rows[None, :], other=0.0)  # fmt: skip
+    x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+    if not SKIP_MASKED:
+        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, False)
+    if MASK_KIND == 2:
+        x = x + bias[None, :]
     m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
     vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
-                 mask=v_rows[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+                 mask=rows[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
     return m_new, l_i, acc
 

@@ -27,7 +27,7 @@ import operator
 
 import torch
 
-from ..fx.graph_walk import RESHAPES, val_shape
+from ..fx.graph_walk import RESHAPES, is_full, val_shape
 from ..fx.module_paths import module_path
 from .site import Site
 
@@ -97,10 +97,6 @@ _MASK_VIEWS = (*RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clon
                aten.constant_pad_nd.default)
 
 
-def _full_of(node, value: float) -> bool:
-    return getattr(node, "target", None) is aten.full.default and list(node.args[0]) == [] and node.args[1] == value
-
-
 def _is_top_k_mask(mask: torch.fx.Node) -> bool:
     """Whether ``mask`` is dsa_topk_mask's output through views (at most a few) and SDPA's
     bool-to-additive conversion, ``where(keep, 0, -inf)``."""
@@ -110,7 +106,7 @@ def _is_top_k_mask(mask: torch.fx.Node) -> bool:
             return False
         if node.target is torch.ops.fusion_compiler.dsa_topk_mask.default:
             return True
-        additive = node.target is aten.where.self and _full_of(node.args[1], 0.0) and _full_of(node.args[2], float("-inf"))
+        additive = node.target is aten.where.self and is_full(node.args[1], 0.0, ()) and is_full(node.args[2], float("-inf"), ())
         if node.target not in _MASK_VIEWS and not additive:
             return False
         node = node.args[0]

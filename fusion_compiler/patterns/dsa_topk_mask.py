@@ -34,7 +34,7 @@ import operator
 import torch
 
 from ..fx.explain import chain
-from ..fx.graph_walk import CASTS, RESHAPES, target, val_shape
+from ..fx.graph_walk import CASTS, RESHAPES, is_full, target, val_shape
 from ..fx.module_paths import module_path
 from .site import Site
 
@@ -100,10 +100,6 @@ def _bmm_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | 
     return None
 
 
-def _is_full(node, value) -> bool:
-    return target(node) is aten.full.default and node.args[1] == value
-
-
 def _scalar_mul(node) -> tuple[torch.fx.Node, float] | None:
     if target(node) in (aten.mul.Tensor, aten.mul.Scalar) and isinstance(node.args[1], (int, float)):
         return node.args[0], float(node.args[1])
@@ -123,7 +119,7 @@ def _scatters_of(topk: torch.fx.Node) -> list[torch.fx.Node]:
         node = todo.pop()
         if target(node) is aten.scatter.value:
             base, dim, _, value = node.args
-            mask_like = _is_full(base, True) and val_shape(base) == val_shape(topk.args[0])
+            mask_like = is_full(base, True) and val_shape(base) == val_shape(topk.args[0])
             if not (mask_like and dim in (-1, len(val_shape(base)) - 1) and value is False):
                 return []
             scatters.append(node)
@@ -136,7 +132,7 @@ def _scatters_of(topk: torch.fx.Node) -> list[torch.fx.Node]:
 
 def _masked_scores(x: torch.fx.Node):
     """(scores, mask or None) of the top-k's input."""
-    if target(x) is aten.where.self and target(x.args[0]) is aten.bitwise_not.default and _is_full(x.args[1], float("-inf")):
+    if target(x) is aten.where.self and target(x.args[0]) is aten.bitwise_not.default and is_full(x.args[1], float("-inf")):
         return x.args[2], x.args[0].args[0]
     if target(x) is aten.add.Tensor and isinstance(x.args[1], torch.fx.Node):
         return x.args[0], x.args[1]
