@@ -222,6 +222,35 @@ class Runner:
         return times
 
 
+def step_timeline(events, new_tokens: int) -> dict:
+    """Where a decode step's wall time goes, off one profiled ``generate()``: the median period
+    between consecutive decode calls' starts (a whole step: HF's own per-step work, then the
+    compiled call), the median host time inside a compiled call, and the GPU's busy time per
+    period (the union of the device's kernel and memcpy intervals over the decode calls' span,
+    graph-replayed kernels included). A period well above the busy time: the step waits on the
+    host, and a faster GPU step moves tokens/s by less. Times in µs; {} without device events."""
+    regions = sorted((e for e in events if e.name.startswith(_REGION)), key=lambda e: e.time_range.start)
+    decode = regions[len(regions) - (new_tokens - 1):] if len(regions) >= new_tokens - 1 else regions
+    if len(decode) < 2:
+        return {}
+    starts = [e.time_range.start for e in decode]
+    lo, hi = starts[0], starts[-1]
+    spans = sorted((max(e.time_range.start, lo), min(e.time_range.end, hi)) for e in events
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                   and e.time_range.end > lo and e.time_range.start < hi)  # fmt: skip
+    if not spans:
+        return {}
+    busy, reach = 0.0, lo
+    for start, end in spans:  # the union of the intervals
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    periods = len(decode) - 1
+    return {"period_us": statistics.median(b - a for a, b in zip(starts, starts[1:])),
+            "compiled_call_host_us": statistics.median(e.time_range.end - e.time_range.start for e in decode[:-1]),
+            "gpu_busy_us": busy / periods, "gpu_busy_fraction": busy / (hi - lo)}  # fmt: skip
+
+
 def our_graph_stats() -> list[dict]:
     backend = getattr(fc, "last_backend", lambda: None)()
     return [g.report() for g in getattr(backend, "step_graphs", [])]
@@ -249,7 +278,9 @@ def run_case(runner: Runner, mode: str, batch: int, reference: dict, repeats: in
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
                 runner.generate(mode, batch)
                 runner.sync()
-            row["profiled_calls"] = split_calls(region_launches(prof.events()), runner.new_tokens)
+            events = prof.events()
+            row["profiled_calls"] = split_calls(region_launches(events), runner.new_tokens)
+            row["step_timeline"] = step_timeline(events, runner.new_tokens)
         if mode.startswith("ours"):
             row["our_step_graphs"] = our_graph_stats()
             report = fc.last_report()
@@ -322,13 +353,15 @@ def main(argv: list[str] | None = None) -> dict:
         row["steps_over_2e-2"] = sum(e > 2e-2 for e in row["logits_rel_err_by_step"])
         row["steps_beyond_stock"] = sum(e > max(2e-2, 1.5 * b) for e, b in pairs)
     print(f"{'mode':16} {'batch':>5} {'tok/s':>9} {'vs stock':>8} {'max rel err':>11} {'>2e-2':>5} "
-          f"{'>stock':>6} {'captured':>9} {'uncapt.':>7}")
+          f"{'>stock':>6} {'captured':>9} {'uncapt.':>7} {'step µs':>8} {'GPU busy':>8}")
     for row in rows:
         calls = row.get("profiled_calls", {}).get("decode", {})
+        timeline = row.get("step_timeline") or {}
         print(f"{row['mode']:16} {row['batch']:>5} {row.get('decode_tokens_per_s', float('nan')):9.1f} "
               f"{row.get('vs_stock', float('nan')):8.3f} {row.get('logits_rel_err_max', float('nan')):11.2e} "
               f"{row.get('steps_over_2e-2', '-'):>5} {row.get('steps_beyond_stock', '-'):>6} "
-              f"{calls.get('captured_calls', '-'):>9} {calls.get('uncaptured_calls', '-'):>7}"
+              f"{calls.get('captured_calls', '-'):>9} {calls.get('uncaptured_calls', '-'):>7} "
+              f"{timeline.get('period_us', float('nan')):8.1f} {timeline.get('gpu_busy_fraction', float('nan')):8.1%}"
               + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))  # fmt: skip
     if args.out:
         common.write_json(args.out, result)

@@ -38,6 +38,7 @@ def test_decode_rate_leaves_out_the_prefill():
 @dataclasses.dataclass
 class Range:
     start: int
+    end: int = 0
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class Event:
     name: str
     cpu_children: list = dataclasses.field(default_factory=list)
     time_range: Range = dataclasses.field(default_factory=lambda: Range(0))
+    device_type: torch.autograd.DeviceType = torch.autograd.DeviceType.CPU
 
 
 def test_capture_verdict_from_the_profile_tree():
@@ -68,3 +70,20 @@ def test_capture_verdict_from_the_profile_tree():
     assert calls["decode"].pop("launched_by") == {"CompiledFunction": 2}
     assert calls["decode"] == {
         "calls": 3, "captured_calls": 1, "recorded_calls": 1, "uncaptured_calls": 1, "loose_kernels": 2, "memcpys": 1}  # fmt: skip
+
+
+def test_step_timeline_splits_the_period_into_host_and_gpu_busy():
+    def region(at, took):
+        return Event("Torch-Compiled Region: 0/1", time_range=Range(at, at + took))
+
+    def kernel(start, end):
+        return Event("void triton_kernel", time_range=Range(start, end), device_type=torch.autograd.DeviceType.CUDA)
+
+    # a prefill region, then 4 decode calls every 100 us, each 30 us of host time; the GPU runs
+    # 20 us of overlapping kernels per step (10-25 and 15-30 after each start)
+    events = [region(-500, 200), *(region(100 * i, 30) for i in range(4))]
+    events += [k for i in range(4) for k in (kernel(100 * i + 10, 100 * i + 25), kernel(100 * i + 15, 100 * i + 30))]
+    events.append(kernel(-400, -300))  # the prefill's: outside the decode span
+    timeline = bench.step_timeline(events, new_tokens=5)
+    assert timeline == {"period_us": 100, "compiled_call_host_us": 30, "gpu_busy_us": 20.0, "gpu_busy_fraction": 0.2}
+    assert bench.step_timeline([e for e in events if e.device_type != torch.autograd.DeviceType.CUDA], 5) == {}
