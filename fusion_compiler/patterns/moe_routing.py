@@ -22,6 +22,12 @@ named. Each variant fixes the rest of the math:
   several (``topk_group`` 1 < ``n_group``): the same compare, then a copy of the expanded mask
   before its reshape; the fused routing's rank-based group selection keeps one group as any
   number.
+* ``softmax_bias``: softmax of the fp32 logits, + a correction bias for the choice only, top-k,
+  the *unbiased* scores gathered and renormalised by ``clamp(sum, min=moe_norm_min)`` (HF Ernie
+  4.5's ``Ernie4_5_MoeTopKRouter``, min 1e-12; it casts the fp32 weights to the hidden states'
+  dtype after, outside the match). The k best of E softmax scores sum to at least k / E, so a min
+  below that never binds and the clamp is the plain renormalisation (``_clamp_reason``: the guard
+  reads the min from the graph and declines a min of k / E or more).
 * ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF Qwen3.5,
   and Qwen3-MoE / Qwen3-Next / OLMoE with ``norm_topk_prob=True``).
 * ``softmax_unnormalised``: the same without renormalising (``norm_topk_prob=False``, HF's default
@@ -34,12 +40,12 @@ named. Each variant fixes the rest of the math:
   top-k in the logits' dtype (HF gpt-oss's ``GptOssTopKRouter``; its router GEMM has a bias, an
   ``addmm`` no GEMM form takes, so it fuses from the logits).
 
-A router picking its experts by ``max`` over the logits (PhiMoE's ``sparsemixer``) and one adding a
-correction bias to softmax scores (Ernie 4.5) are sites declined with a sentence (``explain``).
+A router picking its experts by ``max`` over the logits (PhiMoE's ``sparsemixer``) is a site
+declined with a sentence (``explain``).
 
 Each routing math comes twice: with the router GEMM in front (``F.linear`` of the hidden
-states and the router weight, as an fp32 GEMM of upcast operands like DeepSeek's, or in the
-weight's dtype like MiniMax's and Qwen's), replaced by ``moe_router`` (GEMM + routing, one
+states and the router weight, as an fp32 GEMM of upcast operands like DeepSeek's and Ernie's,
+or in the weight's dtype like MiniMax's and Qwen's), replaced by ``moe_router`` (GEMM + routing, one
 launch at few tokens), and from the logits, replaced by ``moe_route``. The GEMM forms are
 tried first; a router whose logits are also used elsewhere (returned, or fed to an aux loss)
 fails them, because the logits would have to stay, and fuses from its logits instead.
@@ -74,8 +80,10 @@ _EXPERTS = 2 * _TOP_K
 _TOKENS = 2
 _HIDDEN = 1117
 _RENORM_EPS = 1.2345e-21
+_RENORM_MIN = 3.4567e-13
 _SCALE = 2.3456
-_SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS, "scale": _SCALE}
+_SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "renorm_eps": _RENORM_EPS,
+            "renorm_min": _RENORM_MIN, "scale": _SCALE}  # fmt: skip
 
 
 def sigmoid_bias(logits, bias, top_k):
@@ -119,6 +127,17 @@ def sigmoid_bias_grouped_unnormalised(logits, bias, top_k, n_group, topk_group, 
     scores = logits.sigmoid()
     ids = _experts_of_top_groups(scores + bias, top_k, n_group, topk_group)
     return scores.gather(1, ids) * scale, ids
+
+
+def softmax_bias(logits, bias, top_k, renorm_min):
+    """HF Ernie 4.5's ``Ernie4_5_MoeTopKRouter`` on its fp32 logits: softmax + the correction bias
+    for the choice only, the *unbiased* scores gathered at the ids, renormalised by
+    ``clamp(sum, min=moe_norm_min)``. The k best of E softmax scores sum to at least k / E, so a
+    clamp below that never binds (the guard checks): the op's plain renormalisation."""
+    scores = torch.softmax(logits, dim=1, dtype=torch.float)
+    _, ids = torch.topk(scores + bias, top_k, dim=-1)
+    weights = torch.gather(scores, dim=-1, index=ids)
+    return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=renorm_min), ids
 
 
 def softmax(logits, top_k):
@@ -222,7 +241,8 @@ def _one_group_kept(route: Callable) -> Callable:
     return _signed(search, [p for p in _params(route) if p.name != "topk_group"])
 
 
-_GROUPED = {"scoring": "sigmoid", "grouped": True}
+# DeepSeek's and Ernie's routing run on fp32 logits (an fp32 router GEMM): traced for those only.
+_GROUPED = {"scoring": "sigmoid", "grouped": True, "fp32_logits": True}
 _UNNORMALISED = {"renormalise": False}
 _ONE_GROUP = {"n_group": 1, "topk_group": 1}
 # The renormalised routes come first: an unnormalised route is the first part of one.
@@ -236,6 +256,7 @@ ROUTES = (
     ("sigmoid_bias_topk_group_1_unnormalised", _one_group_kept(sigmoid_bias_grouped_unnormalised),
      {**_GROUPED, **_UNNORMALISED, "topk_group": 1}),
     ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
+    ("softmax_bias", softmax_bias, {"scoring": "softmax", "fp32_logits": True}),
     ("softmax_fp32_weights", softmax_fp32_weights, {"scoring": "softmax", "weights_dtype": torch.float32}),
     ("softmax", softmax, {"scoring": "softmax"}),
     ("softmax_unnormalised", softmax_unnormalised, {"scoring": "softmax", **_UNNORMALISED}),
@@ -250,7 +271,7 @@ VARIANTS = (
                 {**params, "gemm": "gemm", "shared_gate": True})
         for name, route, params in ROUTES
         # Qwen's gated shared expert sits beside Qwen's softmax routing only
-        if params["scoring"] == "softmax" and "top_logits" not in name
+        if params["scoring"] == "softmax" and "top_logits" not in name and "bias" not in name
     )
     + tuple(
         Variant(f"{name}+{g}", _with_router_gemm(route, GEMMS[g]), {**params, "gemm": g})
@@ -269,8 +290,10 @@ def _logits_dtype(variant: Variant, operand_dtype: torch.dtype) -> torch.dtype:
 def example_inputs(variant: Variant, combo) -> list:
     (dtype,) = combo  # the logits' dtype, or the GEMM operands' with a GEMM form
     grouped = variant.params.get("grouped")
-    if grouped and (_logits_dtype(variant, dtype) != torch.float32 or variant.params.get("gemm") == "gemm"):
-        return None  # DeepSeek routes on fp32 logits (an fp32 router GEMM: fp32_gemm's trace)
+    if variant.params.get("fp32_logits") and (
+        _logits_dtype(variant, dtype) != torch.float32 or variant.params.get("gemm") == "gemm"
+    ):
+        return None  # DeepSeek and Ernie route on fp32 logits (an fp32 router GEMM: fp32_gemm's trace)
     if variant.params.get("weights_dtype") == _logits_dtype(variant, dtype):
         return None  # without a cast back, the same trace as the route that casts back
     experts = _GROUPED_EXPERTS if grouped else _EXPERTS
@@ -316,6 +339,8 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
             facts["graph_renorm_eps"] = constant  # w / (w.sum() + eps)
         elif node.target is aten.mul.Tensor and sources & {aten.div.Tensor, aten.gather.default} and constant is not None:
             facts["graph_scale"] = constant  # (w / ...) * scale, or w * scale
+        elif node.target is aten.clamp_min.default and aten.sum.dim_IntList in sources and constant is not None:
+            facts["graph_renorm_min"] = constant  # w / clamp(w.sum(), min=renorm_min)
         elif node.target in (aten.sum.dim_IntList, aten.amax.default):
             facts["reduce_dims"].add(tuple(node.args[1]))
         elif node.target is aten.gather.default:
@@ -355,6 +380,26 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
             return f"the bias is {tuple(getattr(bias, 'shape', ()))}, not one value per expert [{experts}]"
         if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the bias is {bias.dtype}; the routing kernel takes an fp32, bf16 or fp16 bias"
+    if "renorm_min" in _route_params(variant):
+        return _clamp_reason(values, experts, top_k)
+    return None
+
+
+def _clamp_reason(values, experts: int, top_k: int) -> Reason:
+    """Ernie's ``w / clamp(w.sum(), min=renorm_min)`` is ``w / w.sum()`` (the op's renormalisation)
+    wherever the clamp cannot bind: the k best of E softmax scores sum to at least k / E, so a min
+    below k / E never binds in exact arithmetic. In fp32 it could bind only where the computed sum
+    falls short of k / E by its rounding, and then ``w / min`` and ``w / sum`` differ by about that
+    rounding, a few fp32 ulp (``min``, rounded to fp32, lies within an ulp of the two sums)."""
+    floor = values.get("renorm_min")
+    if not isinstance(floor, (int, float)) or isinstance(floor, bool):
+        return f"the clamp's min is not a constant number (got {floor})"
+    if values.get("graph_renorm_min", floor) != floor:
+        return f"renorm_min bound to {floor} but the graph says {values.get('graph_renorm_min')} (ambiguous literals)"
+    if floor >= top_k / experts:
+        return (f"the router renormalises by clamp(sum, min={floor}), which binds where the top {top_k} of {experts} "
+                f"softmax scores sum below it (their least sum is {top_k}/{experts}); the fused routing renormalises "
+                "by the sum alone")  # fmt: skip
     return None
 
 
@@ -556,17 +601,14 @@ _SPARSEMIXER = ("the router picks its experts one at a time by max over the logi
 
 def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """A router whose math is none of the variants', in one sentence: experts picked by ``max``
-    (PhiMoE), a correction bias on softmax scores (Ernie 4.5), top-k logits weighted by another
-    function than a softmax, scores that are neither sigmoid nor softmax; otherwise None (the
-    guard's reasons and Inductor's FailedMatch say where a router departs)."""
+    (PhiMoE), top-k logits weighted by another function than a softmax, scores that are neither
+    sigmoid nor softmax; otherwise None (the guard's reasons and Inductor's FailedMatch say where
+    a router departs)."""
     if anchor.target is aten.max.dim:
         return anchor, _SPARSEMIXER
     scores = _ranked_scores(anchor)
     if scores is None:
         return None
-    source = anchor.args[0]
-    if getattr(source, "target", None) is aten.add.Tensor and scores.target is aten.div.Tensor:
-        return source, _softmax_bias_reason(scores)
     if _router_logits(scores):
         return _top_logits_reason(anchor)
     if _scores_source(scores):
@@ -574,17 +616,6 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     function = _function_name(scores, _logits_of(scores))
     return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
                     "over the experts")  # fmt: skip
-
-
-def _softmax_bias_reason(scores: torch.fx.Node) -> str:
-    """Ernie 4.5's routing: softmax scores + a correction bias for the choice (its renormalisation
-    named where it clamps the sum)."""
-    clamps = [u for g in scores.users if g.target is aten.gather.default
-              for s in g.users if s.target is aten.sum.dim_IntList
-              for u in s.users if u.target is aten.clamp_min.default]  # fmt: skip
-    renorm = f", and renormalises by clamp(sum, min={clamps[0].args[1]})" if clamps else ""
-    return (f"the router adds a correction bias to softmax scores to choose its experts{renorm}; the fused "
-            "routing's variants take a correction bias with sigmoid scores only")
 
 
 def _top_logits_reason(topk: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

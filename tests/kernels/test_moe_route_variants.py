@@ -45,6 +45,7 @@ CASES = {
     "n_group=1 norm_topk_prob=False scale 1": (64, 6, 1, 1, 0, True, False, 0.0, 1.0, torch.float32, torch.float32),
     "qwen3_moe norm_topk_prob=False": (128, 8, 1, 1, 1, False, False, 0.0, 1.0, torch.bfloat16, torch.bfloat16),
     "mixtral fp32 weights": (8, 2, 1, 1, 1, False, True, 0.0, 1.0, torch.bfloat16, torch.float32),
+    "ernie4_5_moe softmax + bias": (64, 6, 1, 1, 1, True, True, 0.0, 1.0, torch.float32, torch.float32),
 }  # fmt: skip
 
 
@@ -58,8 +59,9 @@ def test_kernel_routes_each_variant_like_float64(case):
     bias = torch.rand(experts, generator=gen) * 0.1 if has_bias else None
     args = (logits.to(DEVICE), None if bias is None else bias.to(DEVICE), top_k, n_group, topk_group, scoring,
             renormalize, eps, scale, wdt)  # fmt: skip
-    weights = torch.empty(3, top_k, dtype=wdt, device=DEVICE)
-    ids = torch.empty(3, top_k, dtype=torch.int64, device=DEVICE)
+    # Poisoned outputs: a slot the kernel leaves unwritten fails the comparison.
+    weights = torch.full((3, top_k), float("nan"), dtype=wdt, device=DEVICE)
+    ids = torch.full((3, top_k), -1, dtype=torch.int64, device=DEVICE)
     K.moe_route_fwd(dict(zip(_ARG_NAMES, args)), weights, ids)
     w64, ids64 = _float64_routing(logits, bias, top_k, n_group, topk_group, scoring, renormalize, eps, scale)
     assert torch.equal(ids.cpu(), ids64), case

@@ -11,24 +11,28 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
   the mask copied before its reshape.
 - ``routed_scaling_factor`` 1 and 2.5; Mixtral's weights, kept in fp32.
 - Neighbouring HF routers with no code of theirs: GraniteMoE's and gpt-oss's top-k of the logits
-  then a softmax over those k fuse (against float64 too); PhiMoE's sparsemixer and Ernie 4.5's
-  biased softmax are declined in one sentence each.
+  then a softmax over those k fuse (against float64 too); Ernie 4.5's softmax + correction bias,
+  renormalised by ``clamp(sum, min=1e-12)``, fuses as ``softmax_bias`` (its router kept in fp32
+  as HF loads it too; against float64; the clamp proved inert below k / E); PhiMoE's sparsemixer
+  is declined in one sentence.
 - The one-group mask's three graphs: HF's scatter (Inductor's rewrite off), torch 2.11's rewrite
   (an int64 compare: the H200's GLM-4.5 routing was a miss on it) and 2.13's (cast back) are one
   graph after canonicalize; the cases with the rewrite off fuse by the same variant.
-- Near misses: softmax over the tokens; the weights gathered from the biased choice; scores
-  that are neither sigmoid nor softmax; one group kept of several, groups scored by their best
-  expert alone.
+- Near misses: softmax over the tokens; the weights gathered from the biased choice (sigmoid or
+  softmax scores); a clamp min the renormalisation could reach (k / E); scores that are neither
+  sigmoid nor softmax; one group kept of several, groups scored by their best expert alone.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
 
 import fusion_compiler as fc
+from fusion_compiler.ops import moe_route as route_ops
 from fusion_compiler.verify import relative_error
 
 FAMILY = "moe_routing"
@@ -217,6 +221,15 @@ class NearMiss(torch.nn.Module):
             probs = torch.softmax(logits, dtype=torch.float, dim=0)
             values, ids = torch.topk(probs, 4, dim=-1)
             return logits, values.to(logits.dtype), ids
+        if self.spelling.startswith("softmax_bias"):  # Ernie 4.5's routing, one step off
+            scores = torch.softmax(logits, dim=1, dtype=torch.float)
+            choice = scores + self.bias
+            _, ids = torch.topk(choice, 4, dim=-1)
+            # "softmax_bias_biased_weights": the weights gathered from the biased choice;
+            # "softmax_bias_clamp_binds": a clamp min of k / E, which the top 4 of 16 can reach.
+            weights = torch.gather(choice if self.spelling.endswith("biased_weights") else scores, dim=-1, index=ids)
+            floor = 4 / 16 if self.spelling.endswith("clamp_binds") else 1e-12
+            return logits, weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=floor), ids
         if self.spelling == "softplus_scores":  # MiniMax's routing math on softplus scores
             scores = torch.nn.functional.softplus(logits)
             _, ids = torch.topk(scores + self.bias, 4, dim=-1, sorted=False)
@@ -240,9 +253,13 @@ class NearMiss(torch.nn.Module):
 @pytest.mark.parametrize("spelling, reason", [
     # Softmax's reductions are wildcards in the pattern; the re-trace at the site's dims is not.
     ("softmax_over_tokens", "softmax_unnormalised matches at getitem in structure, but Inductor did not take it"),
-    # The ids feed a gather of the biased choice, outside every pattern.
+    # The ids feed a gather of the biased choice, outside every pattern (sigmoid, then softmax scores).
     ("biased_weights", "is read by gather, output: outside the pattern"),
     ("softplus_scores", "the router scores its logits as softplus(logits); the fused routing takes sigmoid or softmax"),
+    ("softmax_bias_biased_weights", "is read by gather, output: outside the pattern"),
+    ("softmax_bias_clamp_binds", "softmax_bias: the router renormalises by clamp(sum, min=0.25), which binds where the "
+                                 "top 4 of 16 softmax scores sum below it (their least sum is 4/16); the fused routing "
+                                 "renormalises by the sum alone"),
     # One group of 4 kept, each scored by its best expert: the group top-k's k is a wildcard, the
     # re-trace at the site's literals is not.
     ("group_by_best", "sigmoid_bias_topk_group_1_unnormalised matches at mul in structure, but Inductor did not "
@@ -273,10 +290,8 @@ ZOO = {
                "the router picks its experts one at a time by max over the logits, weighting each by a softmax over "
                "the experts within its jitter threshold (PhiMoE's sparsemixer), not by a top-k of sigmoid or softmax "
                "scores"),
-    "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ERNIE, "gate", None,
-                     "the router adds a correction bias to softmax scores to choose its experts, and renormalises by "
-                     "clamp(sum, min=1e-12); the fused routing's variants take a correction bias with sigmoid scores "
-                     "only"),
+    # Softmax + a correction bias for the choice, the unbiased scores renormalised by clamp(sum, 1e-12).
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ERNIE, "gate", "softmax_bias+fp32_gemm", None),
 }  # fmt: skip
 
 
@@ -303,6 +318,84 @@ def test_neighbouring_hf_routers_fuse_or_say_why_in_one_sentence(case):
         assert _routing_variants(report) == {}
         assert [(m.module, m.reason) for m in report.misses(FAMILY)] == [(m, reason) for m in modules]
     assert relative_error(fused, eager) < 1e-2
+
+
+def test_ernie_router_kept_in_fp32_fuses_with_its_gemm():
+    """HF loads Ernie 4.5's ``gate.weight`` and ``moe_statics`` in fp32 whatever the model's dtype
+    (``_keep_in_fp32_modules_strict``): only the bf16 hidden states are upcast for the router GEMM."""
+    blocks = _hf_blocks("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ERNIE)
+    for block in blocks.layers:
+        block.gate.float()
+    assert {p.dtype for n, p in blocks.named_parameters() if ".gate." in n} == {torch.float32}
+    report, eager, fused = _compiled_blocks(blocks, _ERNIE, strict=True,
+                                            expected={FAMILY: {f"layers.{i}.gate": 1 for i in range(2)}})  # fmt: skip
+    assert report.missing_expected() == []
+    assert _routing_variants(report) == {"softmax_bias+fp32_gemm": 2}
+    assert relative_error(fused, eager) < 1e-2
+
+
+def _ernie_float64(router, x):
+    """HF Ernie 4.5's routing in float64: (weights, ids, each token's gap in the biased choice
+    between its k-th and (k+1)-th experts)."""
+    scores = torch.nn.functional.linear(x.double(), router.weight.double()).softmax(dim=-1)
+    choice, ids = (scores + router.moe_statics.e_score_correction_bias.double().squeeze()).topk(router.top_k + 1)
+    ids = ids[:, : router.top_k]
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True).clamp(min=router.norm_min), ids, choice[:, -2] - choice[:, -1]
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_ernie_softmax_bias_routes_like_float64(gate_dtype):
+    """HF's ``Ernie4_5_MoeTopKRouter`` (fp32 as HF loads it, or cast to bf16 with the model) on
+    bf16 tokens, fused from its logits (it returns them), against eager and its math in float64
+    on fresh random weights: the same experts in the same order, weights within bf16 rounding."""
+    from transformers import AutoConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    # ERNIE-4.5-21B-A3B's routing: 6 of 64 experts.
+    fields = dict(_ERNIE, num_experts=64, moe_num_experts=64, num_experts_per_tok=6, moe_k=6)
+    router = Ernie4_5_MoeTopKRouter(AutoConfig.for_model("ernie4_5_moe", **fields))
+    assert (router.num_experts, router.top_k, router.norm_min) == (64, 6, 1e-12)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * 0.5)
+        router.moe_statics.e_score_correction_bias.copy_(torch.randn(1, 64, generator=gen) * 0.01)
+    router = router.to(gate_dtype)
+    x = torch.randn(9, _ERNIE["hidden_size"], generator=gen).to(torch.bfloat16)
+    backend = fc.FusionBackend(_config_only())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, w, ids = torch.compile(router, backend=backend)(x)
+        _, w_eager, ids_eager = router(x)
+    assert _routing_variants(backend.report) == {"softmax_bias": 1}
+    w64, ids64, gap = _ernie_float64(router, x)
+    assert gap.min() > 1e-4  # no near tie: fp32 rounding cannot swap the k-th expert
+    assert torch.equal(ids, ids64) and torch.equal(ids, ids_eager)
+    assert w.dtype == w_eager.dtype == torch.bfloat16
+    torch.testing.assert_close(w, w_eager, atol=0, rtol=2**-8)  # one bf16 rounding apart at most
+    torch.testing.assert_close(w.double(), w64, atol=0, rtol=2**-8)
+
+
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (60, 7), (64, 6), (160, 8)])
+def test_clamped_renormalisation_below_k_over_e_is_the_ops_plain_one(experts, top_k):
+    """Ernie's ``w / clamp(w.sum(), min)`` with any min below k / E, against the op's ``w / w.sum()``
+    (``moe_route_reference``, scoring softmax, renorm_eps 0): the k best of E softmax scores sum to
+    at least k / E, so the clamp never binds and the two are the same fp32 arithmetic, bit for bit,
+    even at the largest min below k / E and on uniform logits (each score 1/E, the least sum); both
+    within fp32 rounding of float64."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.cat([torch.randn(64, experts, generator=gen) * 3, torch.zeros(1, experts),
+                        torch.full((1, experts), 7.25)])  # fmt: skip
+    bias = torch.randn(experts, generator=gen) * 1e-3
+    weights, ids = route_ops.moe_route_reference(logits, bias, top_k, 1, 1, 1, True, 0.0, 1.0, torch.float32)
+    scores = torch.softmax(logits, dim=1, dtype=torch.float)
+    _, hf_ids = torch.topk(scores + bias, top_k, dim=-1)
+    assert torch.equal(ids, hf_ids)
+    for floor in (1e-12, math.nextafter(top_k / experts, 0)):
+        hf = scores.gather(1, ids) / torch.clamp(scores.gather(1, ids).sum(-1, keepdim=True), min=floor)
+        assert torch.equal(weights, hf), floor
+    w64 = logits.double().softmax(-1).gather(1, ids)
+    torch.testing.assert_close(weights.double(), w64 / w64.sum(-1, keepdim=True), atol=0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("model_type, router_class, variant", [
