@@ -1,7 +1,7 @@
 """GQA attention prologue: q/k RMSNorm (or none) + partial NeoX (or GPT-J) RoPE + the K/V cache
 write, one site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE,
-GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium, OLMo-2 / OLMo-3, Gemma-3, Apertus, EXAONE-4) ->
-``gqa_prologue``.
+GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium, ERNIE-4.5, OLMo-2 / OLMo-3, Gemma-3, Apertus,
+EXAONE-4) -> ``gqa_prologue``.
 
 Four norms, each as its model writes it, and none:
 
@@ -24,7 +24,11 @@ Four norms, each as its model writes it, and none:
   or k with an RMS norm in front (the normed variants' reasons stand). ``none.hf*_gptj``: GPT-J's
   interleaved pairs as HF's GLM / GLM-4 write them (``rotate_half`` stacking (-x[..., 1::2],
   x[..., 0::2]) pair by pair, cos / sin's first half ``repeat_interleave``d) over half the head
-  (GLM-4) or all of it (Helium); the op's ``interleaved_rope``. ``none.hf*_full_rope_chunk``:
+  (GLM-4) or all of it (Helium); the op's ``interleaved_rope``. ``none.hf_full_rope_gptj_fp32``:
+  ERNIE-4.5's spelling of those pairs over the whole head, turned in fp32 (``x.float() * cos +
+  rotate_half(x).float() * sin`` on its rotary embedding's fp32 cos / sin, then
+  ``.to(original_dtype)``): ``interleaved_rope`` without ``round_rope_products``, one rounding, so
+  eager's bits (no HF model writes it on part of the head). ``none.hf*_full_rope_chunk``:
   gpt-oss's ``_apply_rotary_emb``, NeoX halves written out on ``torch.chunk``'s halves, ``cat((x1
   * cos - x2 * sin, x2 * cos + x1 * sin))`` with cos / sin half as wide as the head: rounding
   point for rounding point HF's ``rotate_half`` spelling (each bf16 product rounded, then the add;
@@ -73,9 +77,9 @@ the matched nodes: the RoPE's slice points (NeoX halves or GPT-J pairs, as the v
 dims of a pairwise repeat (``repeat_interleave`` and ``cat([x, x])`` trace alike but for one int),
 the norm's width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a
 norm in front. Not fused, said in words: GPT-J pairs after a q/k norm, in another spelling (fp32
-pair products, ERNIE-4.5's fp32 turn) or turned by cos / sin not repeated pairwise, no norm
-written to a paged cache (serving code), a q/k norm after the RoPE (HunYuan: in HF's caches a
-site, its rows a norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves
+pair products, Cohere's fp32 turn of pairs taken after the upcast) or turned by cos / sin not
+repeated pairwise, no norm written to a paged cache (serving code), a q/k norm after the RoPE
+(HunYuan: in HF's caches a site, its rows a norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves
 written out otherwise than gpt-oss's ``_apply_rotary_emb`` (in HF's caches a site), MLA's decoupled RoPE
 key (MiniCPM3), and a norm and RoPE that no one variant takes together.
 """
@@ -181,6 +185,13 @@ def rope_pairs_full_hf(x, cos, sin):
     return x * cos + rotate_pairs_hf(x) * sin
 
 
+def rope_pairs_full_fp32_hf(x, cos, sin):
+    """HF ERNIE-4.5's ``apply_rotary_pos_emb``: GPT-J pairs over the whole head, turned in fp32
+    (``x.float() * cos + rotate_half(x).float() * sin``, the pairs stacked in x's dtype, cos / sin
+    fp32 as its rotary embedding keeps them); the caller rounds once (``.to(original_dtype)``)."""
+    return x.float() * cos + rotate_pairs_hf(x).float() * sin
+
+
 def rope_partial_fp32(x, cos, sin):
     """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
     fp32, one rounding (model_adapters/reference/paged_kv.py's ``rope_neox_partial``)."""
@@ -218,8 +229,11 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     v is then the projection [1, S, kv_heads * D]). ``transposed_norm``: q, k come transposed
     already (their per-head norm ran on [B, heads, S, D], as Gemma-3 writes it). ``rope_fp32``:
     cos / sin come in fp32 (OLMo-2's rotary embedding does not cast them), so the products are
-    fp32 and the rotated rows are rounded once (``.to(q_type)``)."""
-    if rope == "gptj":
+    fp32 and the rotated rows are rounded once (``.to(q_type)``); with GPT-J pairs, ERNIE-4.5's
+    explicit ``.float()`` casts (full RoPE only: no HF model writes it on part of the head)."""
+    if rope == "gptj" and rope_fp32:
+        rope_hf = rope_pairs_full_fp32_hf
+    elif rope == "gptj":
         rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
     elif rope == "chunk":  # gpt-oss: full RoPE only
         rope_hf = rope_chunk_hf
@@ -269,13 +283,13 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial", transpo
     return prologue
 
 
-def _search_no_norm(rotary: str, rope: str, cache: str):
+def _search_no_norm(rotary: str, rope: str, cache: str, rope_fp32: bool = False):
     """HF's attention without q/k norms (Mixtral, Qwen2-MoE, Llama; GLM-4-MoE without
-    ``use_qk_norm``; GLM-4's GPT-J pairs): q, k, v [B, S, heads, D] are the projections' head
-    views, RoPE'd as they are."""
+    ``use_qk_norm``; GLM-4's GPT-J pairs; ERNIE-4.5's, ``rope_fp32``): q, k, v [B, S, heads, D]
+    are the projections' head views, RoPE'd as they are."""
 
     def prologue_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
-        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope, cache)
+        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope, cache, rope_fp32=rope_fp32)
 
     return prologue_no_norm
 
@@ -307,7 +321,7 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
     name += ("_full_rope" if rotary == "full" else "") + (f"_{rope}" if rope != "neox" else "")  # gptj, chunk
     name += "_fp32" if rope_fp32 else ""
     if norm == "none":
-        search = _search_no_norm(rotary, rope, cache)
+        search = _search_no_norm(rotary, rope, cache, rope_fp32)
     else:
         search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary, transposed_norm, rope_fp32)
     params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope,
@@ -322,9 +336,9 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 # serving reference of ours writes it. No norm comes last, HF's code only: its pattern begins at
 # RoPE, so it also fits a normed attention whose norm another variant declined; every normed
 # variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
-# GPT-J pairs: HF's GLM-4 (partial) and Helium (full) only, both without q/k norms. HF's
-# continuous batching (``hf_flat``): the same HF code, its flat cache written at slots, NeoX RoPE,
-# per-head norms (plain or Gemma) or none.
+# GPT-J pairs: HF's GLM-4 (partial) and Helium (full), and ERNIE-4.5's fp32 turn (full), all
+# without q/k norms. HF's continuous batching (``hf_flat``): the same HF code, its flat cache
+# written at slots, NeoX RoPE, per-head norms (plain or Gemma) or none.
 _FLAT_NORMED = tuple(_variant(norm, "hf", "flat", rotary=rotary) for norm in ("per_head", "qwen")
                      for rotary in ("partial", "full"))  # fmt: skip
 VARIANTS = (
@@ -343,6 +357,7 @@ VARIANTS = (
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
     + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
     + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
+    + (_variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True),)
     + tuple(_variant("none", "hf", cache, rotary="full", rope="chunk") for cache in ("bf16", "flat"))
 )
 
@@ -373,9 +388,11 @@ def example_inputs(variant: Variant, combo) -> list:
     hf_cache = (_BLOCKS * _BS, _HKV, _D) if p["cache"] == "flat" else (1, _HKV, _BLOCKS * _BS, _D)
     # v: HF's head view [B, S, kv_heads, D] (static cache), else the projection [..., kv_heads * D]
     v_shape = (*lead, _HKV, _D) if p["layout"] == "hf" and p["cache"] != "flat" else (*lead, _HKV * _D)
-    if p["norm"] == "none":  # HF's layout only
+    if p["norm"] == "none":  # HF's layout only; ERNIE-4.5's cos / sin fp32
         q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*v_shape)
-        return [q, k, v, r(1, _T, angles), r(1, _T, angles), r(*hf_cache), r(*hf_cache), torch.arange(_T)]
+        cos_dtype = torch.float32 if p["rope_fp32"] else act
+        cos, sin = r(1, _T, angles, dtype=cos_dtype), r(1, _T, angles, dtype=cos_dtype)
+        return [q, k, v, cos, sin, r(*hf_cache), r(*hf_cache), torch.arange(_T)]
     if p["norm"] in _FULL_WIDTH:
         q, k, qw, kw = r(*lead, _HQ * _D), r(*lead, _HKV * _D), r(_HQ * _D), r(_HKV * _D)
     else:
@@ -614,7 +631,8 @@ def _dtype_reason(values, p) -> Reason:
             return f"{name} is {dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32 (it computes in fp32)"
     q, cos = values["q"], values["cos"]
     if p["layout"] == "hf" and p["rope_fp32"] and cos.dtype != torch.float32:
-        return f"cos / sin are {cos.dtype}: this variant's RoPE multiplies by fp32 cos / sin (OLMo-2's) and rounds once"
+        return (f"cos / sin are {cos.dtype}: this variant's RoPE multiplies by fp32 cos / sin (OLMo-2's, ERNIE-4.5's) "
+                "and rounds once")  # fmt: skip
     if p["layout"] == "hf" and not p["rope_fp32"] and cos.dtype != q.dtype:
         return f"cos / sin are {cos.dtype}, q is {q.dtype}: HF's RoPE rounds its products in q's dtype"
     return None
@@ -785,7 +803,8 @@ def replacement(variant: Variant, lowering: str):
     # Round where the matched code rounds: MiniMax's norm (every spelling) and HF's plain per-head
     # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
     # activation dtype, one rounding per op (without a norm, on the projections' own rows). OLMo's
-    # full-width norm multiplies its weight in fp32 and rounds once, as Gemma's does.
+    # full-width norm multiplies its weight in fp32 and rounds once, as Gemma's does; OLMo's RoPE
+    # and ERNIE-4.5's GPT-J pairs (``rope_fp32``) take fp32 products on fp32 cos / sin, one rounding.
     rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf" and not p["rope_fp32"])
     if p["rope"] == "gptj":
         rounding["interleaved_rope"] = True
@@ -1082,9 +1101,13 @@ def _pairs_departure(rows: torch.fx.Node, pairs: torch.fx.Node) -> tuple[torch.f
                       "q/k norms (HF's GLM-4) only")  # fmt: skip
     turned, cached = _compat.fake_value(rotation), _compat.fake_value(rows)
     if turned is not None and cached is not None and turned.dtype == torch.float32 != cached.dtype:
-        return rotation, (f"k's GPT-J pairs are turned in fp32 and rounded once to {cached.dtype} (x.float() * cos + "
-                          "rotate_half(x).float() * sin, as ERNIE-4.5 writes it): the fused GQA prologue's GPT-J "
-                          "variants take HF GLM-4's products in the activation dtype")  # fmt: skip
+        paired = _compat.fake_value(pairs)
+        here = (" (here rotate_half(x.float()), the pairs taken of the upcast, as Cohere writes it)"
+                if paired is not None and paired.dtype == torch.float32 else "")  # fmt: skip
+        return rotation, (f"k's GPT-J pairs are turned in fp32 and rounded once to {cached.dtype}, but not as "
+                          f"ERNIE-4.5 writes it{here}: the fused GQA prologue takes fp32 GPT-J pairs in ERNIE-4.5's "
+                          "spelling only (x.float() * cos + rotate_half(x).float() * sin over the whole head, fp32 "
+                          "cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb)")  # fmt: skip
     return rotation, ("k's GPT-J pairs turn by cos / sin repeated pairwise, but not in HF GLM-4's spelling (bf16 "
                       "products, cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb), e.g. in "
                       "fp32 on angles repeated before the cos as Cohere writes it: the fused GQA prologue's GPT-J "

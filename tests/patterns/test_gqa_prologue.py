@@ -12,6 +12,8 @@
   Gemma's ``1 + w`` is expected (and an offset other than 1), RoPE over all dims in serving
   code's spelling (HF's fuses: tests/patterns/test_gqa_prologue_hf_paths.py), GPT-J pairs where
   NeoX halves are expected. Each is a reported miss.
+- The guard of ERNIE-4.5's fp32 GPT-J variant on what the tracer leaves wildcards (the repeat's
+  and the pair slices' ints), a norm in front and bf16 cos / sin.
 """
 
 from __future__ import annotations
@@ -240,6 +242,29 @@ def test_guard_names_full_rope_gptj_steps_and_norm_widths():
     values = {"norm_widths": {64, 32}, "weight_offsets": {1.0}}
     assert "full-width where per-head" in gqa_prologue._norm_reason(values, "qwen", 4, 2, d)
     assert "Gemma" in gqa_prologue._norm_reason({"norm_widths": {16}, "weight_offsets": {0.5}}, "qwen", 4, 2, d)
+
+
+def test_fp32_gptj_guard_checks_what_the_tracer_hides():
+    """``none.hf_full_rope_gptj_fp32`` (ERNIE-4.5) takes the GLM-4 variants' checks: cos / sin
+    repeated pairwise, x's even / odd lanes of the whole head, no norm in front; and its own fp32
+    cos / sin."""
+    variant = next(v for v in gqa_prologue.VARIANTS if v.name == "none.hf_full_rope_gptj_fp32")
+    assert variant.params["rope_fp32"] and variant.params["rope"] == "gptj" and variant.params["rotary"] == "full"
+    inputs = gqa_prologue.example_inputs(variant, (torch.bfloat16,))
+    values = dict(zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "where"), inputs))
+    d, end = values["k_cache"].shape[-1], gqa_prologue._NO_END
+    values.update(repeats={"pairs"}, unsqueezes={(1, 4), (4, 5)}, slices={(0, d // 2, 1), (0, end, 2), (1, end, 2)},
+                  normed_inputs=[], casts={torch.float32, torch.bfloat16})  # fmt: skip
+    assert values["cos"].dtype == torch.float32 and gqa_prologue.guard(values, variant) is None
+    departures = {
+        "not pairwise": dict(repeats={"tiles"}),
+        "not GPT-J pairs of the first 16 dims": dict(slices={(0, d // 2, 1), (0, end, 2), (2, end, 2)}),
+        "an RMS norm sits between the projection and RoPE of k": dict(normed_inputs=["k"]),
+        "fp32 cos / sin (OLMo-2's, ERNIE-4.5's)": dict(cos=values["cos"].bfloat16(), sin=values["sin"].bfloat16()),
+    }
+    for words, change in departures.items():
+        reason = gqa_prologue.guard({**values, **change}, variant)
+        assert reason is not None and words in reason, (words, reason)
 
 
 def test_gptj_pairs_where_neox_is_expected_do_not_match():

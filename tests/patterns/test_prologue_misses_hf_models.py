@@ -9,9 +9,12 @@ site fuses, or is a miss whose reason is one sentence about the model's code.
   layer has no RoPE: no site); gpt-oss's NeoX halves written out on ``torch.chunk``'s halves
   (``_apply_rotary_emb``, half-width cos / sin: HF's ``rotate_half`` rounding point for rounding
   point), ``none.hf_full_rope_chunk`` on its sliding and full layers alike
-  (tests/patterns/test_gqa_prologue_gpt_oss.py: the rolled window, bits, near misses).
-- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, ERNIE-4.5's GPT-J pairs
-  turned in fp32, HunYuan's q/k norm after RoPE, MiniCPM3's decoupled RoPE key (MLA, its latent
+  (tests/patterns/test_gqa_prologue_gpt_oss.py: the rolled window, bits, near misses);
+  ERNIE-4.5's (dense and MoE) GPT-J pairs over the whole head turned in fp32 (``x.float() * cos +
+  rotate_half(x).float() * sin`` on fp32 cos / sin, one rounding), ``none.hf_full_rope_gptj_fp32``.
+- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, Cohere's GPT-J pairs turned
+  in fp32 in another spelling than ERNIE-4.5's (``rotate_half(x.float())`` on bf16 angles repeated
+  before the cos), HunYuan's q/k norm after RoPE, MiniCPM3's decoupled RoPE key (MLA, its latent
   cached beside it), DeepSeek-V2's complex RoPE (an mla_prologue miss).
 
 Each model: HF's own class at a tiny config (2 layers, 4 heads / 2 kv heads of 32), bf16, one
@@ -44,6 +47,8 @@ CONFIGS = {
     "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_ssm=128, mamba_d_state=16,
                       mamba_expand=1, key_multiplier=0.5),
     "gpt_oss": dict(_WINDOWED, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "cohere": {},
+    "ernie4_5": {},
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1,
                          moe_num_shared_experts=1),
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, moe_intermediate_size=64),
@@ -60,6 +65,8 @@ FUSED = {
     "apertus": dict.fromkeys((0, 1), "per_head.hf_transposed_norm_full_rope"),
     "exaone4": {0: "per_head.hf_transposed_norm_full_rope"},
     "gpt_oss": dict.fromkeys((0, 1), "none.hf_full_rope_chunk"),  # sliding, then full attention
+    "ernie4_5": dict.fromkeys((0, 1), "none.hf_full_rope_gptj_fp32"),
+    "ernie4_5_moe": dict.fromkeys((0, 1), "none.hf_full_rope_gptj_fp32"),  # dense, then MoE layer
 }
 # Gemma-3's second layer: its V rows (no op of ours) differ from eager's by 7.5e-3 already, from
 # Inductor's own rounding upstream (embedding scale, decoder norms); K by 1.07e-2. The prologue
@@ -69,11 +76,14 @@ CACHE_TOLERANCE = {"gemma3_text": 2e-2}
 MISSED = {
     "falcon_h1": (GQA, 1, "k is scaled by a constant (0.5) between its projection and its RoPE, as Falcon-H1's "
                   "key_multiplier does"),
-    "ernie4_5_moe": (GQA, 1, "k's GPT-J pairs are turned in fp32 and rounded once to torch.bfloat16"),
+    "cohere": (GQA, 1, "k's GPT-J pairs are turned in fp32 and rounded once to torch.bfloat16, but not as "
+               "ERNIE-4.5 writes it (here rotate_half(x.float()), the pairs taken of the upcast"),
     "hunyuan_v1_moe": (GQA, 1, "q/k are RMS-normalised after their RoPE"),
     "minicpm3": (GQA, 1, "k is one RoPE head split off the compressed kv projection"),
     "deepseek_v2": (MLA, 2, "RoPE is written in complex numbers"),
 }  # fmt: skip
+
+
 def build(name: str) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -201,26 +211,69 @@ def _one_prologue(module, seed: int):
     return backend.report, (fused, caches), (eager, eager_caches), (wide, wide_caches)
 
 
-@pytest.mark.parametrize(("kind", "bf16_angles", "variant"), [("olmo2", False, "olmo.hf_full_rope_fp32"),
-                                                              ("gemma3", True, "qwen.hf_transposed_norm_full_rope")])
-def test_new_spellings_keep_eager_bits(kind, bf16_angles, variant):
-    report, (fused, caches), (eager, eager_caches), (wide, wide_caches) = _one_prologue(HFNormedPrologue(kind, bf16_angles), 1)
+class HFErniePrologue(torch.nn.Module):
+    """HF ERNIE-4.5's ``apply_rotary_pos_emb`` (no q/k norm) on q, k, v projections [1, S, heads *
+    16], cos / sin ``cat(freqs, freqs)`` in fp32 as its rotary embedding keeps them; in float64
+    the same rotation in HF Helium's spelling (ERNIE's ``.float()`` would narrow it to fp32).
+    ``tiled_angles``, a near miss: ERNIE's fp32 turn on cos / sin's first half tiled by an expand
+    (x0 x1 ... x0 x1 ..., a NeoX layout on GPT-J pairs), the graph of ``repeat_interleave`` but for
+    the new dim's int, which the tracer leaves a wildcard."""
+
+    def __init__(self, tiled_angles: bool = False):
+        super().__init__()
+        from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe
+        from transformers.models.helium import modeling_helium
+
+        self.tiled_angles, self.ernie = tiled_angles, modeling_ernie4_5_moe
+        self.wide_rope = modeling_helium.apply_rotary_pos_emb
+
+    def forward(self, q, k, v, angles, k_cache, v_cache, positions):
+        q, k, v = (x.view(1, x.shape[1], -1, 16).transpose(1, 2) for x in (q, k, v))
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if q.dtype == torch.float64:
+            q, k = self.wide_rope(q, k, cos, sin)
+        elif self.tiled_angles:
+            halves = (x.unsqueeze(1)[..., :8] for x in (cos, sin))  # ERNIE's cos[..., : cos.shape[-1] // 2]
+            cos, sin = (h.unsqueeze(-2).expand(*h.shape[:-1], 2, 8).reshape(*h.shape[:-1], 16) for h in halves)
+            rotate_half = self.ernie.rotate_half
+            q, k = ((x.float() * cos + rotate_half(x).float() * sin).to(x.dtype) for x in (q, k))
+        else:
+            q, k = self.ernie.apply_rotary_pos_emb(q, k, cos, sin)
+        k_cache.index_copy_(2, positions, k)
+        v_cache.index_copy_(2, positions, v)
+        return q
+
+
+@pytest.mark.parametrize(("module", "variant"), [
+    (functools.partial(HFNormedPrologue, "olmo2", False), "olmo.hf_full_rope_fp32"),
+    (functools.partial(HFNormedPrologue, "gemma3", True), "qwen.hf_transposed_norm_full_rope"),
+    (HFErniePrologue, "none.hf_full_rope_gptj_fp32"),
+], ids=["olmo2", "gemma3", "ernie4_5"])  # fmt: skip
+def test_new_spellings_keep_eager_bits(module, variant):
+    """q and both caches (written rows and every other byte) equal eager's; q and K within bf16
+    rounding of float64."""
+    report, (fused, caches), (eager, eager_caches), (wide, wide_caches) = _one_prologue(module(), 1)
     assert report.per_variant() == {variant: 1}, report.format()
     assert torch.equal(fused, eager) and all(torch.equal(a, b) for a, b in zip(caches, eager_caches))
     assert relative_error(fused.double(), wide) < 1e-2 and relative_error(caches[0].double(), wide_caches[0]) < 1e-2
 
 
-@pytest.mark.parametrize(("kind", "bf16_angles", "norm", "words"), [
+@pytest.mark.parametrize(("module", "words"), [
     # OLMo-2's norm with RoPE products rounded in bf16 (cos / sin cast): not OLMo-2's fp32 RoPE. The
     # no-norm variant fits from RoPE on and declines the norm in front (its guard's words stand).
-    ("olmo2", True, None, "an RMS norm sits between the projection and RoPE of q and k"),
+    (functools.partial(HFNormedPrologue, "olmo2", True), "an RMS norm sits between the projection and RoPE of q and k"),
     # OLMo-2's one-rounding norm per head after the transpose: per_head's norm rounds x·rstd first.
-    ("gemma3", True, "olmo2", "q/k are RMS-normalised per head with a plain (x * w) weight, x·rstd in fp32, rounded "
-                              "once after the weight multiply, then RoPE over 16 of 16 dims in torch.bfloat16: no "
-                              "fused GQA prologue variant takes that combination"),
-])  # fmt: skip
-def test_near_misses_of_the_new_spellings_are_misses_in_words(kind, bf16_angles, norm, words):
-    report, *_ = _one_prologue(HFNormedPrologue(kind, bf16_angles, norm), 2)
+    (functools.partial(HFNormedPrologue, "gemma3", True, "olmo2"),
+     "q/k are RMS-normalised per head with a plain (x * w) weight, x·rstd in fp32, rounded once after the weight "
+     "multiply, then RoPE over 16 of 16 dims in torch.bfloat16: no fused GQA prologue variant takes that combination"),
+    # ERNIE-4.5's fp32 turn on cos / sin's first half tiled: it fits the variant in structure (Inductor's
+    # re-trace refuses it); the two lanes of a pair would turn by different angles.
+    (functools.partial(HFErniePrologue, tiled_angles=True), "k's GPT-J pairs (2i, 2i + 1) turn by cos / sin that "
+                                                            "are not repeated pairwise"),
+], ids=["olmo2_bf16_rope", "olmo2_norm_per_head", "ernie4_5_tiled_angles"])  # fmt: skip
+def test_near_misses_of_the_new_spellings_are_misses_in_words(module, words):
+    report, *_ = _one_prologue(module(), 2)
     assert report.per_variant() == {}, report.format()
     [miss] = report.misses(GQA)
     assert words in miss.reason and "closest variant" not in miss.reason, miss.reason
