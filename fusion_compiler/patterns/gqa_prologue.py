@@ -1,7 +1,7 @@
 """GQA attention prologue: q/k RMSNorm (or none) + partial NeoX (or GPT-J) RoPE + the K/V cache
 write, one site per attention layer (MiniMax-M2.5, Qwen3.5's full-attention layers, Qwen3-MoE,
-GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium, ERNIE-4.5, OLMo-2 / OLMo-3, Gemma-3, Apertus,
-EXAONE-4) -> ``gqa_prologue``.
+GLM-4-MoE, Mixtral, Qwen2-MoE, GLM-4, Helium, ERNIE-4.5, Cohere / Cohere2, OLMo-2 / OLMo-3,
+Gemma-3, Apertus, EXAONE-4) -> ``gqa_prologue``.
 
 Four norms, each as its model writes it, and none:
 
@@ -28,7 +28,12 @@ Four norms, each as its model writes it, and none:
   ERNIE-4.5's spelling of those pairs over the whole head, turned in fp32 (``x.float() * cos +
   rotate_half(x).float() * sin`` on its rotary embedding's fp32 cos / sin, then
   ``.to(original_dtype)``): ``interleaved_rope`` without ``round_rope_products``, one rounding, so
-  eager's bits (no HF model writes it on part of the head). ``none.hf*_full_rope_chunk``:
+  eager's bits (no HF model writes it on part of the head). ``none.hf_full_rope_gptj_fp32_upcast``:
+  Cohere's (and Cohere2's) spelling of the same math: q, k upcast first, ``rotate_half`` of the
+  upcast, times cos / sin in the activation dtype that its rotary embedding repeated pairwise
+  before the cos (``repeat_interleave(freqs, 2)``), ``.to(dtype)``; the op reads every other lane
+  of them (bf16 upcast is exact, and so is taking the pairs before or after it), eager's bits.
+  ``none.hf*_full_rope_chunk``:
   gpt-oss's ``_apply_rotary_emb``, NeoX halves written out on ``torch.chunk``'s halves, ``cat((x1
   * cos - x2 * sin, x2 * cos + x1 * sin))`` with cos / sin half as wide as the head: rounding
   point for rounding point HF's ``rotate_half`` spelling (each bf16 product rounded, then the add;
@@ -74,14 +79,16 @@ HF's rotation itself (full RoPE) written to HF's static or flat cache, or after 
 attention with no RoPE, or no cache write, has no site.
 Inductor's tracer turns ints and floats into wildcards, so the guard reads what they hid from
 the matched nodes: the RoPE's slice points (NeoX halves or GPT-J pairs, as the variant says), the
-dims of a pairwise repeat (``repeat_interleave`` and ``cat([x, x])`` trace alike but for one int),
-the norm's width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a
-norm in front. Not fused, said in words: GPT-J pairs after a q/k norm, in another spelling (fp32
-pair products, Cohere's fp32 turn of pairs taken after the upcast) or turned by cos / sin not
-repeated pairwise, no norm written to a paged cache (serving code), a q/k norm after the RoPE
-(HunYuan: in HF's caches a site, its rows a norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves
-written out otherwise than gpt-oss's ``_apply_rotary_emb`` (in HF's caches a site), MLA's decoupled RoPE
-key (MiniCPM3), and a norm and RoPE that no one variant takes together.
+dims of a pairwise repeat (``repeat_interleave`` and ``cat([x, x])`` trace alike but for one int;
+Cohere's lies before the cos, outside the match, and is read back from cos / sin), the norm's
+width and Gemma's offset, the cast an FP8 write rounds to, whether a no-norm match has a norm in
+front (a LayerNorm, Cohere's ``use_qk_norm``, named as one). Not fused, said in words: GPT-J pairs
+after a q/k norm, in another spelling (bf16 products otherwise than GLM-4's, an fp32 turn otherwise
+than ERNIE-4.5's and Cohere's) or turned by cos / sin not repeated pairwise, no norm written to a
+paged cache (serving code), a q/k norm after the RoPE (HunYuan: in HF's caches a site, its rows a
+norm's), k scaled before its RoPE (Falcon-H1's key_multiplier), NeoX halves written out otherwise
+than gpt-oss's ``_apply_rotary_emb`` (in HF's caches a site), MLA's decoupled RoPE key
+(MiniCPM3), and a norm and RoPE that no one variant takes together.
 """
 
 from __future__ import annotations
@@ -192,6 +199,15 @@ def rope_pairs_full_fp32_hf(x, cos, sin):
     return x.float() * cos + rotate_pairs_hf(x).float() * sin
 
 
+def rope_pairs_full_upcast_hf(x, cos, sin):
+    """HF Cohere's ``apply_rotary_pos_emb``: x upcast first (``q.float()``), GPT-J pairs of the
+    upcast over the whole head (``rotate_half`` of the fp32 x), times cos / sin as its rotary
+    embedding hands them over: in x's dtype, the angles repeated pairwise before the cos
+    (``repeat_interleave(freqs, 2)``); the caller rounds once (``.to(dtype)``)."""
+    x = x.float()
+    return x * cos + rotate_pairs_hf(x) * sin
+
+
 def rope_partial_fp32(x, cos, sin):
     """vLLM's NeoX ``forward_native`` on the first ``2 * cos.shape[-1]`` dims of x [T, H, D]:
     fp32, one rounding (model_adapters/reference/paged_kv.py's ``rope_neox_partial``)."""
@@ -220,7 +236,7 @@ def _paged_rows(q, k, v, cos, sin, k_cache, v_cache, slots, cache: str, k_scale,
 
 
 def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str = "neox", cache: str = "bf16",
-             transposed_norm: bool = False, rope_fp32: bool = False):  # fmt: skip
+             transposed_norm: bool = False, rope_fp32: bool = False, upcast: bool = False):  # fmt: skip
     """HF's tail on q, k, v [B, S, heads, D]: heads transposed, RoPE in the activation dtype
     (NeoX halves, or GPT-J pairs as GLM-4 writes them), the static cache written at the
     positions ``where`` (``index_copy_`` along the sequence dim), or with ``cache="flat"``
@@ -230,8 +246,11 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     already (their per-head norm ran on [B, heads, S, D], as Gemma-3 writes it). ``rope_fp32``:
     cos / sin come in fp32 (OLMo-2's rotary embedding does not cast them), so the products are
     fp32 and the rotated rows are rounded once (``.to(q_type)``); with GPT-J pairs, ERNIE-4.5's
-    explicit ``.float()`` casts (full RoPE only: no HF model writes it on part of the head)."""
-    if rope == "gptj" and rope_fp32:
+    explicit ``.float()`` casts (full RoPE only: no HF model writes it on part of the head), or
+    with ``upcast`` Cohere's: q, k upcast before their pairs, cos / sin repeated pairwise already."""
+    if rope == "gptj" and upcast:
+        rope_hf = rope_pairs_full_upcast_hf
+    elif rope == "gptj" and rope_fp32:
         rope_hf = rope_pairs_full_fp32_hf
     elif rope == "gptj":
         rope_hf = rope_pairs_full_hf if rotary == "full" else rope_pairs_partial_hf
@@ -247,7 +266,7 @@ def _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary: str, rope: str 
     if not transposed_norm:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if rope == "gptj":
+    if rope == "gptj" and not upcast:  # Cohere's rotary embedding repeats them before the cos
         cos, sin = pair_angles_hf(cos), pair_angles_hf(sin)
     dtype = q.dtype
     q, k = rope_hf(q, cos, sin), rope_hf(k, cos, sin)
@@ -283,13 +302,14 @@ def _search(norm: str, layout: str, cache: str, rotary: str = "partial", transpo
     return prologue
 
 
-def _search_no_norm(rotary: str, rope: str, cache: str, rope_fp32: bool = False):
+def _search_no_norm(rotary: str, rope: str, cache: str, rope_fp32: bool = False, upcast: bool = False):
     """HF's attention without q/k norms (Mixtral, Qwen2-MoE, Llama; GLM-4-MoE without
-    ``use_qk_norm``; GLM-4's GPT-J pairs; ERNIE-4.5's, ``rope_fp32``): q, k, v [B, S, heads, D]
-    are the projections' head views, RoPE'd as they are."""
+    ``use_qk_norm``; GLM-4's GPT-J pairs; ERNIE-4.5's, ``rope_fp32``; Cohere's, ``upcast``): q, k,
+    v [B, S, heads, D] are the projections' head views, RoPE'd as they are."""
 
     def prologue_no_norm(q, k, v, cos, sin, k_cache, v_cache, where):
-        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope, cache, rope_fp32=rope_fp32)
+        return _hf_rows(q, k, v, cos, sin, k_cache, v_cache, where, rotary, rope, cache, rope_fp32=rope_fp32,
+                        upcast=upcast)  # fmt: skip
 
     return prologue_no_norm
 
@@ -315,17 +335,18 @@ def _search_tp(cache: str):
 
 
 def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rotary: str = "partial",
-             rope: str = "neox", transposed_norm: bool = False, rope_fp32: bool = False) -> Variant:  # fmt: skip
+             rope: str = "neox", transposed_norm: bool = False, rope_fp32: bool = False,
+             upcast: bool = False) -> Variant:  # fmt: skip
     name = f"{norm}.{layout}" + ("_transposed_norm" if transposed_norm else "") + ("_tp" if tp else "")
     name += f"_{cache}" if layout == "paged" or cache == "flat" else ""
     name += ("_full_rope" if rotary == "full" else "") + (f"_{rope}" if rope != "neox" else "")  # gptj, chunk
-    name += "_fp32" if rope_fp32 else ""
+    name += ("_fp32" if rope_fp32 else "") + ("_upcast" if upcast else "")
     if norm == "none":
-        search = _search_no_norm(rotary, rope, cache, rope_fp32)
+        search = _search_no_norm(rotary, rope, cache, rope_fp32, upcast)
     else:
         search = _search_tp(cache) if tp else _search(norm, layout, cache, rotary, transposed_norm, rope_fp32)
     params = {"norm": norm, "layout": layout, "cache": cache, "tp": tp, "rotary": rotary, "rope": rope,
-              "transposed_norm": transposed_norm, "rope_fp32": rope_fp32}  # fmt: skip
+              "transposed_norm": transposed_norm, "rope_fp32": rope_fp32, "upcast": upcast}  # fmt: skip
     return Variant(name, search, params)
 
 
@@ -336,9 +357,9 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 # serving reference of ours writes it. No norm comes last, HF's code only: its pattern begins at
 # RoPE, so it also fits a normed attention whose norm another variant declined; every normed
 # variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
-# GPT-J pairs: HF's GLM-4 (partial) and Helium (full), and ERNIE-4.5's fp32 turn (full), all
-# without q/k norms. HF's continuous batching (``hf_flat``): the same HF code, its flat cache
-# written at slots, NeoX RoPE, per-head norms (plain or Gemma) or none.
+# GPT-J pairs: HF's GLM-4 (partial) and Helium (full), and the fp32 turns of ERNIE-4.5 and
+# Cohere (full), all without q/k norms. HF's continuous batching (``hf_flat``): the same HF code,
+# its flat cache written at slots, NeoX RoPE, per-head norms (plain or Gemma) or none.
 _FLAT_NORMED = tuple(_variant(norm, "hf", "flat", rotary=rotary) for norm in ("per_head", "qwen")
                      for rotary in ("partial", "full"))  # fmt: skip
 VARIANTS = (
@@ -357,7 +378,8 @@ VARIANTS = (
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
     + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
     + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
-    + (_variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True),)
+    + (_variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True),
+       _variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True, upcast=True))
     + tuple(_variant("none", "hf", cache, rotary="full", rope="chunk") for cache in ("bf16", "flat"))
 )
 
@@ -388,9 +410,9 @@ def example_inputs(variant: Variant, combo) -> list:
     hf_cache = (_BLOCKS * _BS, _HKV, _D) if p["cache"] == "flat" else (1, _HKV, _BLOCKS * _BS, _D)
     # v: HF's head view [B, S, kv_heads, D] (static cache), else the projection [..., kv_heads * D]
     v_shape = (*lead, _HKV, _D) if p["layout"] == "hf" and p["cache"] != "flat" else (*lead, _HKV * _D)
-    if p["norm"] == "none":  # HF's layout only; ERNIE-4.5's cos / sin fp32
+    if p["norm"] == "none":  # HF's layout only; ERNIE-4.5's cos / sin fp32 (Cohere's in act)
         q, k, v = r(*lead, _HQ, _D), r(*lead, _HKV, _D), r(*v_shape)
-        cos_dtype = torch.float32 if p["rope_fp32"] else act
+        cos_dtype = torch.float32 if p["rope_fp32"] and not p["upcast"] else act
         cos, sin = r(1, _T, angles, dtype=cos_dtype), r(1, _T, angles, dtype=cos_dtype)
         return [q, k, v, cos, sin, r(*hf_cache), r(*hf_cache), torch.arange(_T)]
     if p["norm"] in _FULL_WIDTH:
@@ -602,7 +624,7 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
     if reason:
         return reason
     if p["rope"] == "gptj":
-        reason = _pairs_reason(values, rot, head_dim, p["rotary"])
+        reason = _pairs_reason(values, rot, head_dim, p["rotary"], p["upcast"])
     elif p["rope"] == "chunk":
         reason = _chunk_reason(values, rot, head_dim)
     else:
@@ -630,7 +652,10 @@ def _dtype_reason(values, p) -> Reason:
         if dtype not in _ACTIVATION_DTYPES:
             return f"{name} is {dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32 (it computes in fp32)"
     q, cos = values["q"], values["cos"]
-    if p["layout"] == "hf" and p["rope_fp32"] and cos.dtype != torch.float32:
+    if p["layout"] == "hf" and p["upcast"] and cos.dtype != q.dtype:
+        return (f"cos / sin are {cos.dtype}, q is {q.dtype}: this variant's RoPE (Cohere's) upcasts q / k and "
+                "cos / sin in q's dtype, as its rotary embedding casts them, and rounds once")  # fmt: skip
+    if p["layout"] == "hf" and p["rope_fp32"] and not p["upcast"] and cos.dtype != torch.float32:
         return (f"cos / sin are {cos.dtype}: this variant's RoPE multiplies by fp32 cos / sin (OLMo-2's, ERNIE-4.5's) "
                 "and rounds once")  # fmt: skip
     if p["layout"] == "hf" and not p["rope_fp32"] and cos.dtype != q.dtype:
@@ -657,6 +682,10 @@ def _no_norm_reason(values) -> Reason:
     variant (one that declined it says why), not to RoPE and a cache write after a norm left out."""
     if values["normed_inputs"]:
         sides = " and ".join(values["normed_inputs"])
+        if values["centred_inputs"]:
+            return (f"a LayerNorm (x - mean, as Cohere's use_qk_norm writes it) sits between the projection and "
+                    f"RoPE of {sides}: the no-norm variants take an attention without q/k norms, and the fused GQA "
+                    "prologue's normed variants take RMS norms only")  # fmt: skip
         return (f"an RMS norm sits between the projection and RoPE of {sides}: the no-norm variants take an "
                 "attention without q/k norms; the normed variants, tried first, declined this norm")  # fmt: skip
     return None
@@ -712,12 +741,18 @@ def _rope_reason(slices: set, rot: int, head_dim: int, layout: str, rotary: str 
     return None
 
 
-def _pairs_reason(values, rot: int, head_dim: int, rotary: str) -> Reason:
+def _pairs_reason(values, rot: int, head_dim: int, rotary: str, upcast: bool = False) -> Reason:
     """HF GLM-4's GPT-J RoPE: cos / sin's first half repeated pairwise, x's even and odd lanes of
     the first ``rot`` dims (all of them with full RoPE) stacked back pair by pair. The tracer left
-    every int a wildcard: the repeat's and the stack's new dims, the slices."""
-    if values["repeats"] != {"pairs"}:
-        kinds = ", ".join(sorted(values["repeats"]))
+    every int a wildcard: the repeat's and the stack's new dims, the slices. ``upcast`` (Cohere):
+    the angles come repeated from the rotary embedding, before the cos, outside the match: their
+    repeat is read back from the cos / sin inputs (``angle_repeats``), and no half is sliced."""
+    repeats = values["angle_repeats"] if upcast else values["repeats"]
+    if None in repeats:  # Cohere's: cos / sin built before a graph break, or without a repeat
+        return ("no repeat of cos / sin's angles in the graph: nothing shows that GPT-J pairs (2i, 2i + 1) share "
+                "one angle (Cohere's rotary embedding repeat_interleaves them before the cos)")  # fmt: skip
+    if repeats != {"pairs"}:
+        kinds = ", ".join(sorted(repeats))
         return (f"cos / sin are repeated as {kinds}, not pairwise (repeat_interleave): GPT-J pairs (2i, 2i + 1) "
                 "would not share one angle (a NeoX cos / sin layout on interleaved pairs)")  # fmt: skip
     if values["unsqueezes"] != {(1, 4), (4, 5)}:
@@ -728,13 +763,13 @@ def _pairs_reason(values, rot: int, head_dim: int, rotary: str) -> Reason:
     if rotary == "partial" and rot >= head_dim:
         return f"RoPE covers all {head_dim} dims: the full-RoPE variant takes it"
     half = rot // 2
-    want = {(0, half, 1), (0, _NO_END, 2), (1, _NO_END, 2)}  # cos / sin's first half; x's pairs
+    want = {(0, _NO_END, 2), (1, _NO_END, 2)} | (set() if upcast else {(0, half, 1)})  # x's pairs; cos / sin's half
     if rotary == "partial":  # x[..., :rot], x[..., rot:]
         want |= {(0, rot, 1), (rot, _NO_END, 1)}
     got = {(a, min(b, _NO_END), step) for a, b, step in values["slices"]}
     if got != want:
-        return (f"RoPE slices {sorted(got)} (start, end, step) are not GPT-J pairs of the first {rot} dims with "
-                f"cos / sin's first half")  # fmt: skip
+        angles = "" if upcast else " with cos / sin's first half"
+        return f"RoPE slices {sorted(got)} (start, end, step) are not GPT-J pairs of the first {rot} dims{angles}"
     return None
 
 
@@ -804,7 +839,8 @@ def replacement(variant: Variant, lowering: str):
     # norm round x * rstd before the weight multiply (Gemma's rounds once); HF's RoPE runs in the
     # activation dtype, one rounding per op (without a norm, on the projections' own rows). OLMo's
     # full-width norm multiplies its weight in fp32 and rounds once, as Gemma's does; OLMo's RoPE
-    # and ERNIE-4.5's GPT-J pairs (``rope_fp32``) take fp32 products on fp32 cos / sin, one rounding.
+    # and ERNIE-4.5's GPT-J pairs (``rope_fp32``) take fp32 products on fp32 cos / sin, one rounding,
+    # and so do Cohere's on its cos / sin in x's dtype, upcast (exactly: the op upcasts them too).
     rounding = dict(round_normalized=p["norm"] in ("minimax", "per_head"), round_rope_products=p["layout"] == "hf" and not p["rope_fp32"])
     if p["rope"] == "gptj":
         rounding["interleaved_rope"] = True
@@ -816,8 +852,11 @@ def replacement(variant: Variant, lowering: str):
         # be bound to an equal one computed later in the graph (another layer's), a cycle.
         # cat(freqs, freqs) rows (gpt-oss's: freqs), [B or 1, S]; slot = batch * max_len + position
         if p["layout"] == "hf":
-            half = cos.shape[-1] if p["rope"] == "chunk" else cos.shape[-1] // 2  # gpt-oss's: half-width
-            cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
+            if p["upcast"]:  # Cohere's repeat_interleave(freqs, 2): every other lane, unit stride for the kernel
+                cos, sin = (x.reshape(-1, x.shape[-1])[:, ::2].contiguous() for x in (cos, sin))
+            else:
+                half = cos.shape[-1] if p["rope"] == "chunk" else cos.shape[-1] // 2  # gpt-oss's: half-width
+                cos, sin = cos.reshape(-1, cos.shape[-1])[:, :half], sin.reshape(-1, sin.shape[-1])[:, :half]
             max_len = k_cache.shape[2]
             if lead[0] == 1 or p["cache"] == "flat":  # one sequence, or flat slots already
                 slots = where
@@ -931,17 +970,28 @@ def _is_rotation(node) -> bool:
 _GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
-def _normed(node) -> bool:
-    """An RMSNorm's rsqrt upstream of ``node`` with no GEMM between (a q/k norm, not the
-    decoder norm before a projection), along tensors only: a view's symbolic sizes can be read off
-    the normed hidden states the projection takes."""
+def _before_projection(node, want) -> torch.fx.Node | None:
+    """The first node ``want`` accepts upstream of ``node`` with no GEMM between (a q/k norm's,
+    not the decoder norm's before a projection), along tensors only: a view's symbolic sizes can
+    be read off the normed hidden states the projection takes."""
 
     def inputs(n):
         if n.target in _GEMMS:
             return []
         return [m for m in n.all_input_nodes if not isinstance(m.meta.get("val"), (torch.SymInt, int))]
 
-    return walk(node, lambda n: n.target is aten.rsqrt.default, 14, inputs) is not None
+    return walk(node, want, 14, inputs)
+
+
+def _normed(node) -> bool:
+    """An RMSNorm's (or a LayerNorm's) rsqrt upstream of ``node``: a q/k norm."""
+    return _before_projection(node, lambda n: n.target is aten.rsqrt.default) is not None
+
+
+def _centred(node) -> bool:
+    """A LayerNorm's ``x - mean`` upstream of ``node`` (Cohere's ``use_qk_norm``)."""
+    return _before_projection(node, lambda n: n.target is aten.sub.Tensor
+                              and getattr(n.args[1], "target", None) is aten.mean.dim) is not None  # fmt: skip
 
 
 def _halves_of_one_rotation(first, second) -> bool:
@@ -1066,20 +1116,25 @@ def _interleaved_pairs(rows: torch.fx.Node) -> torch.fx.Node | None:
     return upstream(rows, is_pair_slice, 16)
 
 
-def _pair_angles(rotation: torch.fx.Node) -> bool:
-    """Whether the products of HF's GPT-J rotation (``x * cos``, ``rotate_half(x) * sin``) read
-    cos / sin repeated pairwise, in ``apply_rotary_pos_emb`` or before the cos (Cohere's rotary
-    embedding): walked back along the angles' elementwise ops."""
+def _angles_repeat(angles) -> str | None:
+    """How cos / sin ``angles`` repeat their angles along the last dim (``repeat_kind``), in
+    ``apply_rotary_pos_emb`` or before the cos (Cohere's rotary embedding): the first expand
+    walked back along the angles' elementwise ops; None where there is none."""
 
     def back(n):
         return [n.args[0]] if n.target in mla_prologue._ELEMENTWISE and isinstance(n.args[0], torch.fx.Node) else []
 
-    for mul in rotation.args:
-        if getattr(mul, "target", None) is aten.mul.Tensor and isinstance(mul.args[1], torch.fx.Node):
-            expand = walk(mul.args[1], lambda n: n.target is aten.expand.default, 10, back)
-            if expand is not None and repeat_kind(expand) == "pairs":
-                return True
-    return False
+    if not isinstance(angles, torch.fx.Node):
+        return None
+    expand = walk(angles, lambda n: n.target is aten.expand.default, 10, back)
+    return repeat_kind(expand) if expand is not None else None
+
+
+def _pair_angles(rotation: torch.fx.Node) -> bool:
+    """Whether the products of HF's GPT-J rotation (``x * cos``, ``rotate_half(x) * sin``) read
+    cos / sin repeated pairwise (``_angles_repeat``)."""
+    return any(getattr(mul, "target", None) is aten.mul.Tensor and _angles_repeat(mul.args[1]) == "pairs"
+               for mul in rotation.args)  # fmt: skip
 
 
 def _pairs_departure(rows: torch.fx.Node, pairs: torch.fx.Node) -> tuple[torch.fx.Node, str]:
@@ -1102,16 +1157,18 @@ def _pairs_departure(rows: torch.fx.Node, pairs: torch.fx.Node) -> tuple[torch.f
     turned, cached = _compat.fake_value(rotation), _compat.fake_value(rows)
     if turned is not None and cached is not None and turned.dtype == torch.float32 != cached.dtype:
         paired = _compat.fake_value(pairs)
-        here = (" (here rotate_half(x.float()), the pairs taken of the upcast, as Cohere writes it)"
-                if paired is not None and paired.dtype == torch.float32 else "")  # fmt: skip
-        return rotation, (f"k's GPT-J pairs are turned in fp32 and rounded once to {cached.dtype}, but not as "
-                          f"ERNIE-4.5 writes it{here}: the fused GQA prologue takes fp32 GPT-J pairs in ERNIE-4.5's "
-                          "spelling only (x.float() * cos + rotate_half(x).float() * sin over the whole head, fp32 "
-                          "cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb)")  # fmt: skip
+        here = ("rotate_half(x.float()), the pairs taken of the upcast" if paired is not None
+                and paired.dtype == torch.float32 else "rotate_half(x).float(), the pairs taken in x's dtype")  # fmt: skip
+        return rotation, (f"k's GPT-J pairs are turned in fp32 and rounded once to {cached.dtype} (here {here}), but "
+                          "neither as ERNIE-4.5 nor as Cohere writes it: the fused GQA prologue takes fp32 GPT-J pairs "
+                          "over the whole head as x.float() * cos + rotate_half(x).float() * sin on fp32 cos / sin "
+                          "whose first half apply_rotary_pos_emb repeat_interleaves (ERNIE-4.5), or as "
+                          "rotate_half(x.float()) on cos / sin in x's dtype repeated pairwise before the cos "
+                          "(Cohere)")  # fmt: skip
     return rotation, ("k's GPT-J pairs turn by cos / sin repeated pairwise, but not in HF GLM-4's spelling (bf16 "
                       "products, cos / sin's first half repeat_interleave'd inside apply_rotary_pos_emb), e.g. in "
-                      "fp32 on angles repeated before the cos as Cohere writes it: the fused GQA prologue's GPT-J "
-                      "variants take GLM-4's spelling")  # fmt: skip
+                      "bf16 on angles repeated before the cos: the fused GQA prologue's GPT-J variants with bf16 "
+                      "products take GLM-4's spelling")  # fmt: skip
 
 
 def _rotated_input(rotation: torch.fx.Node) -> torch.fx.Node | None:
@@ -1288,6 +1345,9 @@ def _facts_with_angles(nodes, inputs):
         facts["variances"] = _variance_facts(inputs)
     if "q_weight" not in inputs:  # the no-norm variants: q and k must come with no norm in front
         facts["normed_inputs"] = [side for side in ("q", "k") if _normed(inputs.get(side))]
+        facts["centred_inputs"] = [side for side in ("q", "k") if _centred(inputs.get(side))]
+        # Cohere's cos / sin come repeated pairwise from its rotary embedding, outside the match
+        facts["angle_repeats"] = {_angles_repeat(inputs.get(name)) for name in ("cos", "sin")}
     return facts
 
 

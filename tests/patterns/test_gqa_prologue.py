@@ -13,7 +13,9 @@
   code's spelling (HF's fuses: tests/patterns/test_gqa_prologue_hf_paths.py), GPT-J pairs where
   NeoX halves are expected. Each is a reported miss.
 - The guard of ERNIE-4.5's fp32 GPT-J variant on what the tracer leaves wildcards (the repeat's
-  and the pair slices' ints), a norm in front and bf16 cos / sin.
+  and the pair slices' ints), a norm in front and bf16 cos / sin; of Cohere's (q, k upcast first),
+  the angles' repeat read back from cos / sin (outside the match), a LayerNorm in front and fp32
+  cos / sin; Cohere's replacement on the Triton kernel (the interpreter on CPU): eager's bits.
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def test_fp32_gptj_guard_checks_what_the_tracer_hides():
     values = dict(zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "where"), inputs))
     d, end = values["k_cache"].shape[-1], gqa_prologue._NO_END
     values.update(repeats={"pairs"}, unsqueezes={(1, 4), (4, 5)}, slices={(0, d // 2, 1), (0, end, 2), (1, end, 2)},
-                  normed_inputs=[], casts={torch.float32, torch.bfloat16})  # fmt: skip
+                  normed_inputs=[], centred_inputs=[], casts={torch.float32, torch.bfloat16})  # fmt: skip
     assert values["cos"].dtype == torch.float32 and gqa_prologue.guard(values, variant) is None
     departures = {
         "not pairwise": dict(repeats={"tiles"}),
@@ -265,6 +267,64 @@ def test_fp32_gptj_guard_checks_what_the_tracer_hides():
     for words, change in departures.items():
         reason = gqa_prologue.guard({**values, **change}, variant)
         assert reason is not None and words in reason, (words, reason)
+
+
+def test_upcast_gptj_guard_checks_what_the_tracer_hides():
+    """``none.hf_full_rope_gptj_fp32_upcast`` (Cohere): cos / sin come repeated pairwise from the
+    rotary embedding, before the cos, outside the match (``angle_repeats``, read back from the
+    inputs; the match's own repeats are none), x's even / odd lanes of the whole head and no
+    slice of cos / sin, no norm in front (a LayerNorm named as one), cos / sin in q's dtype."""
+    variant = next(v for v in gqa_prologue.VARIANTS if v.name == "none.hf_full_rope_gptj_fp32_upcast")
+    assert variant.params["upcast"] and variant.params["rope_fp32"] and variant.params["rotary"] == "full"
+    inputs = gqa_prologue.example_inputs(variant, (torch.bfloat16,))
+    values = dict(zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "where"), inputs))
+    d, end = values["k_cache"].shape[-1], gqa_prologue._NO_END
+    values.update(repeats=set(), angle_repeats={"pairs"}, unsqueezes={(1, 4), (4, 5)},
+                  slices={(0, end, 2), (1, end, 2)}, normed_inputs=[], centred_inputs=[],
+                  casts={torch.float32, torch.bfloat16})  # fmt: skip
+    assert values["cos"].dtype == torch.bfloat16 and gqa_prologue.guard(values, variant) is None
+    departures = {
+        "cos / sin are repeated as tiles, not pairwise": dict(angle_repeats={"tiles"}),
+        "no repeat of cos / sin's angles in the graph": dict(angle_repeats={"pairs", None}),
+        "(start, end, step) are not GPT-J pairs of the first 16 dims":
+            dict(slices={(0, d // 2, 1), (0, end, 2), (1, end, 2)}),
+        "a LayerNorm (x - mean, as Cohere's use_qk_norm writes it) sits between the projection and RoPE of k":
+            dict(normed_inputs=["k"], centred_inputs=["k"]),
+        "cos / sin are torch.float32, q is torch.bfloat16: this variant's RoPE (Cohere's) upcasts q / k":
+            dict(cos=values["cos"].float(), sin=values["sin"].float()),
+    }  # fmt: skip
+    for words, change in departures.items():
+        reason = gqa_prologue.guard({**values, **change}, variant)
+        assert reason is not None and words in reason, (words, reason)
+
+
+def test_upcast_gptj_replacement_on_the_kernel_keeps_cohere_bits(monkeypatch):
+    """``none.hf_full_rope_gptj_fp32_upcast``'s replacement, its op run on the Triton kernel (the
+    interpreter on CPU), writes HF Cohere's eager bits, q and both caches: the op is handed cos /
+    sin's even lanes in bf16 (upcast, the same fp32 values), ``interleaved_rope``, one rounding."""
+    pytest.importorskip("triton")
+    from transformers.models.cohere import modeling_cohere
+
+    from fusion_compiler.ops import gqa_prologue as ops
+
+    def on_kernel(lowering, **kwargs):  # the op's CUDA path, on copies of the caches
+        kwargs.update(k_cache=kwargs["k_cache"].clone(), v_cache=kwargs["v_cache"].clone())
+        q_out = ops._cuda(*(kwargs.get(name, ops.DEFAULTS.get(name)) for name in ops.ARG_NAMES))
+        return q_out, kwargs["k_cache"], kwargs["v_cache"]
+
+    monkeypatch.setattr(gqa_prologue, "_call", on_kernel)
+    variant = next(v for v in gqa_prologue.VARIANTS if v.name == "none.hf_full_rope_gptj_fp32_upcast")
+    torch.manual_seed(0)
+    d, where = 32, torch.tensor([2, 5, 6])
+    q, k, v = (torch.randn(1, 3, heads, d, dtype=torch.bfloat16) * 2 for heads in (4, 2, 2))
+    emb = torch.repeat_interleave(torch.rand(1, 3, d // 2) * 40, 2, dim=-1)  # CohereRotaryEmbedding
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    caches = [torch.randn(1, 2, 8, d, dtype=torch.bfloat16) for _ in range(2)]
+    q_want, k_rows = modeling_cohere.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    k_want, v_want = (c.clone().index_copy_(2, where, rows) for c, rows in zip(caches, (k_rows, v.transpose(1, 2))))
+    q_out, k_new, v_new = gqa_prologue.replacement(variant, "triton")(q, k, v, cos, sin, *caches, where)
+    assert torch.equal(q_out, q_want) and torch.equal(k_new, k_want) and torch.equal(v_new, v_want)
+    assert not torch.equal(k_new, caches[0])  # the rows were written
 
 
 def test_gptj_pairs_where_neox_is_expected_do_not_match():

@@ -11,11 +11,15 @@ site fuses, or is a miss whose reason is one sentence about the model's code.
   point), ``none.hf_full_rope_chunk`` on its sliding and full layers alike
   (tests/patterns/test_gqa_prologue_gpt_oss.py: the rolled window, bits, near misses);
   ERNIE-4.5's (dense and MoE) GPT-J pairs over the whole head turned in fp32 (``x.float() * cos +
-  rotate_half(x).float() * sin`` on fp32 cos / sin, one rounding), ``none.hf_full_rope_gptj_fp32``.
-- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, Cohere's GPT-J pairs turned
-  in fp32 in another spelling than ERNIE-4.5's (``rotate_half(x.float())`` on bf16 angles repeated
-  before the cos), HunYuan's q/k norm after RoPE, MiniCPM3's decoupled RoPE key (MLA, its latent
-  cached beside it), DeepSeek-V2's complex RoPE (an mla_prologue miss).
+  rotate_half(x).float() * sin`` on fp32 cos / sin, one rounding), ``none.hf_full_rope_gptj_fp32``;
+  Cohere's and Cohere2's the same pairs in their spelling (q, k upcast first, ``rotate_half`` of
+  the upcast, on cos / sin in the activation dtype repeated pairwise before the cos, one
+  rounding), ``none.hf_full_rope_gptj_fp32_upcast`` (Cohere2's full-attention layer has no RoPE:
+  no site).
+- Misses in words: Falcon-H1's ``key_multiplier`` on k before RoPE, HunYuan's q/k norm after
+  RoPE, MiniCPM3's decoupled RoPE key (MLA, its latent cached beside it), DeepSeek-V2's complex
+  RoPE (an mla_prologue miss); near misses of Cohere's spelling (its LayerNorm ``use_qk_norm``,
+  tiled angles, GLM-4's angles) on one prologue.
 
 Each model: HF's own class at a tiny config (2 layers, 4 heads / 2 kv heads of 32), bf16, one
 decode step on HF's static cache, compiled with only the two prologue families on.
@@ -48,6 +52,7 @@ CONFIGS = {
                       mamba_expand=1, key_multiplier=0.5),
     "gpt_oss": dict(_WINDOWED, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "cohere": {},
+    "cohere2": _WINDOWED,
     "ernie4_5": {},
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1,
                          moe_num_shared_experts=1),
@@ -57,7 +62,7 @@ CONFIGS = {
                         topk_group=1, n_group=1, num_experts_per_tok=2, moe_intermediate_size=64),
 }  # fmt: skip
 
-# model -> {layer: variant} (a layer absent: no site, EXAONE-4's global NoPE layer)
+# model -> {layer: variant} (a layer absent: no site, EXAONE-4's and Cohere2's global NoPE layers)
 FUSED = {
     "olmo2": dict.fromkeys((0, 1), "olmo.hf_full_rope_fp32"),
     "olmo3": dict.fromkeys((0, 1), "olmo.hf_full_rope_fp32"),
@@ -67,6 +72,8 @@ FUSED = {
     "gpt_oss": dict.fromkeys((0, 1), "none.hf_full_rope_chunk"),  # sliding, then full attention
     "ernie4_5": dict.fromkeys((0, 1), "none.hf_full_rope_gptj_fp32"),
     "ernie4_5_moe": dict.fromkeys((0, 1), "none.hf_full_rope_gptj_fp32"),  # dense, then MoE layer
+    "cohere": dict.fromkeys((0, 1), "none.hf_full_rope_gptj_fp32_upcast"),
+    "cohere2": {0: "none.hf_full_rope_gptj_fp32_upcast"},  # sliding (RoPE'd), then full attention (NoPE)
 }
 # Gemma-3's second layer: its V rows (no op of ours) differ from eager's by 7.5e-3 already, from
 # Inductor's own rounding upstream (embedding scale, decoder norms); K by 1.07e-2. The prologue
@@ -76,8 +83,6 @@ CACHE_TOLERANCE = {"gemma3_text": 2e-2}
 MISSED = {
     "falcon_h1": (GQA, 1, "k is scaled by a constant (0.5) between its projection and its RoPE, as Falcon-H1's "
                   "key_multiplier does"),
-    "cohere": (GQA, 1, "k's GPT-J pairs are turned in fp32 and rounded once to torch.bfloat16, but not as "
-               "ERNIE-4.5 writes it (here rotate_half(x.float()), the pairs taken of the upcast"),
     "hunyuan_v1_moe": (GQA, 1, "q/k are RMS-normalised after their RoPE"),
     "minicpm3": (GQA, 1, "k is one RoPE head split off the compressed kv projection"),
     "deepseek_v2": (MLA, 2, "RoPE is written in complex numbers"),
@@ -245,11 +250,62 @@ class HFErniePrologue(torch.nn.Module):
         return q
 
 
+class HFCoherePrologue(torch.nn.Module):
+    """HF Cohere's rotary embedding tail and ``apply_rotary_pos_emb`` (no q/k norm) on q, k, v
+    projections [1, S, heads * 16]: cos / sin of ``repeat_interleave(freqs, 2)``, cast to q's
+    dtype; q, k upcast, their pairs turned in fp32, rounded once. In float64 the same rotation in
+    HF Helium's spelling on ``cat(freqs, freqs)`` (Cohere's ``.float()`` would narrow it to fp32).
+    Near misses: ``tiled_angles``, the angles tiled by an expand before the cos (x0 x1 ... x0 x1
+    ..., Llama's ``cat(freqs, freqs)`` as Inductor writes it: a NeoX layout on GPT-J pairs), the
+    graph of ``repeat_interleave`` but for the new dim's int; ``qk_norm``, Cohere's
+    ``use_qk_norm`` (``CohereLayerNorm`` per head before the transpose); ``glm_angles``, Cohere's
+    fp32 turn on cos / sin ``cat(freqs, freqs)`` whose first half is repeated pairwise after the
+    unsqueeze, as GLM-4's ``apply_rotary_pos_emb`` does (the same math, in a spelling no variant
+    takes)."""
+
+    def __init__(self, tiled_angles: bool = False, qk_norm: bool = False, glm_angles: bool = False):
+        super().__init__()
+        from transformers.models.cohere import modeling_cohere
+        from transformers.models.helium import modeling_helium
+
+        self.tiled_angles, self.glm_angles, self.cohere = tiled_angles, glm_angles, modeling_cohere
+        self.wide_rope = modeling_helium.apply_rotary_pos_emb
+        norm = modeling_cohere.CohereLayerNorm
+        self.q_norm, self.k_norm = (norm((heads, 16)) if qk_norm else None for heads in (4, 2))
+        for param in self.parameters():
+            torch.nn.init.normal_(param, 1.0, 0.2)
+
+    def forward(self, q, k, v, angles, k_cache, v_cache, positions):
+        q, k, v = (x.view(1, x.shape[1], -1, 16) for x in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if q.dtype == torch.float64:
+            emb = torch.cat([angles, angles], dim=-1)
+            q, k = self.wide_rope(q, k, emb.cos(), emb.sin())
+        elif self.glm_angles:
+            emb = torch.cat([angles, angles], dim=-1)
+            halves = (x.to(q.dtype).unsqueeze(1)[..., :8] for x in (emb.cos(), emb.sin()))
+            cos, sin = (h.repeat_interleave(2, dim=-1) for h in halves)  # GLM-4's, inside apply_rotary_pos_emb
+            rotate_half = self.cohere.rotate_half
+            q, k = ((x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype) for x in (q, k))
+        else:
+            if self.tiled_angles:
+                emb = angles.unsqueeze(-2).expand(*angles.shape[:-1], 2, 8).reshape(*angles.shape[:-1], 16)
+            else:
+                emb = torch.repeat_interleave(angles, 2, dim=-1)  # CohereRotaryEmbedding
+            q, k = self.cohere.apply_rotary_pos_emb(q, k, emb.cos().to(q.dtype), emb.sin().to(q.dtype))
+        k_cache.index_copy_(2, positions, k)
+        v_cache.index_copy_(2, positions, v)
+        return q
+
+
 @pytest.mark.parametrize(("module", "variant"), [
     (functools.partial(HFNormedPrologue, "olmo2", False), "olmo.hf_full_rope_fp32"),
     (functools.partial(HFNormedPrologue, "gemma3", True), "qwen.hf_transposed_norm_full_rope"),
     (HFErniePrologue, "none.hf_full_rope_gptj_fp32"),
-], ids=["olmo2", "gemma3", "ernie4_5"])  # fmt: skip
+    (HFCoherePrologue, "none.hf_full_rope_gptj_fp32_upcast"),
+], ids=["olmo2", "gemma3", "ernie4_5", "cohere"])  # fmt: skip
 def test_new_spellings_keep_eager_bits(module, variant):
     """q and both caches (written rows and every other byte) equal eager's; q and K within bf16
     rounding of float64."""
@@ -271,7 +327,18 @@ def test_new_spellings_keep_eager_bits(module, variant):
     # re-trace refuses it); the two lanes of a pair would turn by different angles.
     (functools.partial(HFErniePrologue, tiled_angles=True), "k's GPT-J pairs (2i, 2i + 1) turn by cos / sin that "
                                                             "are not repeated pairwise"),
-], ids=["olmo2_bf16_rope", "olmo2_norm_per_head", "ernie4_5_tiled_angles"])  # fmt: skip
+    # Cohere's fp32 turn on angles tiled before the cos: it fits the variant in structure (the
+    # repeat lies outside the match); its guard reads the repeat back from cos / sin.
+    (functools.partial(HFCoherePrologue, tiled_angles=True), "cos / sin are repeated as tiles, not pairwise"),
+    # Cohere's use_qk_norm: a LayerNorm, no RMS norm, in front of the RoPE.
+    (functools.partial(HFCoherePrologue, qk_norm=True), "a LayerNorm (x - mean, as Cohere's use_qk_norm writes it) "
+                                                        "sits between the projection and RoPE of q and k"),
+    # Cohere's upcast pairs on GLM-4's angles (repeated inside apply_rotary_pos_emb): the same math,
+    # no variant's spelling.
+    (functools.partial(HFCoherePrologue, glm_angles=True), "(here rotate_half(x.float()), the pairs taken of the "
+                                                           "upcast), but neither as ERNIE-4.5 nor as Cohere writes it"),
+], ids=["olmo2_bf16_rope", "olmo2_norm_per_head", "ernie4_5_tiled_angles", "cohere_tiled_angles", "cohere_qk_norm",
+        "cohere_glm_angles"])  # fmt: skip
 def test_near_misses_of_the_new_spellings_are_misses_in_words(module, words):
     report, *_ = _one_prologue(module(), 2)
     assert report.per_variant() == {}, report.format()
