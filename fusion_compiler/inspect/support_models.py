@@ -46,6 +46,15 @@ GLM4_MOE = {
     "partial_rotary_factor": 0.5,
 }  # fmt: skip
 
+# transformers' ernie4_5_moe (ERNIE-4.5-MoE): no q/k norm, GPT-J pairs turned in fp32 over the
+# whole head, softmax routing with a correction bias and a clamped renormalisation, a shared expert.
+ERNIE4_5_MOE = {
+    "model_type": "ernie4_5_moe", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+    "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0,
+    "max_position_embeddings": 256,
+}  # fmt: skip
+
 
 def _minimax_hf_default() -> dict:
     """Our MiniMax-M2.5 tiny widths under HF's default ``MiniMaxM2Config`` RoPE (RoPE over the
@@ -69,4 +78,5 @@ def models() -> list[tuple[str, str | dict]]:
         ("DeepSeek V3", DEEPSEEK_V3),
         ("Qwen3-MoE", QWEN3_MOE),
         ("GLM-4-MoE", GLM4_MOE),
+        ("ERNIE-4.5-MoE", ERNIE4_5_MOE),
     ]
