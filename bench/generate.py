@@ -127,10 +127,14 @@ def capture_verdict(regions: list[dict]) -> dict:
     return verdict
 
 
-def split_calls(regions: list[dict], new_tokens: int) -> dict:
+def decode_calls(calls: list, new_tokens: int) -> list:
     """The decode calls are the last ``new_tokens - 1`` compiled calls of a generate(); a route
     that compiles the forward itself also runs the prefill through it, first."""
-    decode = regions[len(regions) - (new_tokens - 1):] if len(regions) >= new_tokens - 1 else regions
+    return calls[len(calls) - (new_tokens - 1):] if len(calls) >= new_tokens - 1 else calls
+
+
+def split_calls(regions: list[dict], new_tokens: int) -> dict:
+    decode = decode_calls(regions, new_tokens)
     return {"decode": capture_verdict(decode), "prefill": capture_verdict(regions[: len(regions) - len(decode)])}
 
 
@@ -230,7 +234,7 @@ def step_timeline(events, new_tokens: int) -> dict:
     graph-replayed kernels included). A period well above the busy time: the step waits on the
     host, and a faster GPU step moves tokens/s by less. Times in µs; {} without device events."""
     regions = sorted((e for e in events if e.name.startswith(_REGION)), key=lambda e: e.time_range.start)
-    decode = regions[len(regions) - (new_tokens - 1):] if len(regions) >= new_tokens - 1 else regions
+    decode = decode_calls(regions, new_tokens)
     if len(decode) < 2:
         return {}
     starts = [e.time_range.start for e in decode]
