@@ -1345,7 +1345,8 @@ def _facts_with_angles(nodes, inputs):
         facts["variances"] = _variance_facts(inputs)
     if "q_weight" not in inputs:  # the no-norm variants: q and k must come with no norm in front
         facts["normed_inputs"] = [side for side in ("q", "k") if _normed(inputs.get(side))]
-        facts["centred_inputs"] = [side for side in ("q", "k") if _centred(inputs.get(side))]
+        # a LayerNorm has an rsqrt too: only the normed sides can be centred
+        facts["centred_inputs"] = [side for side in facts["normed_inputs"] if _centred(inputs.get(side))]
         # Cohere's cos / sin come repeated pairwise from its rotary embedding, outside the match
         facts["angle_repeats"] = {_angles_repeat(inputs.get(name)) for name in ("cos", "sin")}
     return facts
