@@ -14,6 +14,10 @@ activation is the same node or the same reshape of the same node (HF reshapes th
 state once per projection). Groups of one are left alone, except on the devices in
 ``single_devices`` (CUDA with ``FusionConfig.skinny_gemm``): there a lone projection becomes the
 op with one weight too, whose small-M path is our skinny GEMM kernel (kernels/skinny_gemm.py).
+
+A weight the model block-dequantises first (FP8 codes widened, times their block scales: the
+DeepSeek reference's ``fp8_linear`` with ``fp8_weights``) is not one merged_linear reads: such
+projections stay as they are, and a group that would have been merged is declined saying so.
 """
 
 from __future__ import annotations
@@ -53,22 +57,40 @@ def _unwidened(node):
     return source
 
 
+def _untransposed(node):
+    """``w`` of ``permute(w, [1, 0])`` / ``t(w)``, else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if (node.target is aten.permute.default and list(node.args[1]) == [1, 0]) or node.target is aten.t.default:
+        return node.args[0]
+    return None
+
+
+def _stored_weight(node) -> bool:
+    """A 2-D placeholder or constant."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and node.op in ("placeholder", "get_attr")
+
+
 def _weight_of(transposed: torch.fx.Node) -> torch.fx.Node | None:
     """``w`` of ``permute(w, [1, 0])`` / ``t(w)`` when w is a 2-D weight (placeholder or constant),
     possibly exactly widened (before or after the transpose)."""
-    transposed = _unwidened(transposed)
-    if not isinstance(transposed, torch.fx.Node) or transposed.op != "call_function":
+    weight = _unwidened(_untransposed(_unwidened(transposed)))
+    return weight if _stored_weight(weight) else None
+
+
+def _block_dequantised_weight(transposed: torch.fx.Node) -> torch.fx.Node | None:
+    """The FP8 weight of ``(w.float() * scales).t()`` (a 2-D weight of a one-byte float dtype, cast,
+    times anything), else None."""
+    product = _untransposed(transposed)
+    if not isinstance(product, torch.fx.Node) or product.target is not aten.mul.Tensor:
         return None
-    if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0]:
-        weight = _unwidened(transposed.args[0])
-    elif transposed.target is aten.t.default:
-        weight = _unwidened(transposed.args[0])
-    else:
-        return None
-    val = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
-    if weight.op not in ("placeholder", "get_attr") or val is None or val.dim() != 2:
-        return None
-    return weight
+    for factor in product.args:
+        if isinstance(factor, torch.fx.Node) and factor.target in CASTS and _stored_weight(factor.args[0]):
+            dtype = factor.args[0].meta["val"].dtype
+            if dtype.is_floating_point and dtype.itemsize == 1:
+                return factor.args[0]
+    return None
 
 
 def _activation_key(x: torch.fx.Node) -> tuple:
@@ -99,13 +121,21 @@ def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = (
     """Merge each group of two or more projections of one activation, and make each lone projection
     on a device in ``single_devices`` the op with one weight; returns (the merged group sizes, the
     number of lone projections made ops). A group the op cannot take stays as it is; with
-    ``declined``, each such group appends (its first GEMM, why) there."""
+    ``declined``, each such group appends (its first GEMM, why) there, as does each group of
+    block-dequantised FP8 weights that would otherwise have been merged."""
     groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
+    fp8_groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.mm.default:
             weight = _weight_of(node.args[1])
             if weight is not None:
                 groups[_activation_key(node.args[0])].append((node, weight))
+            elif (fp8 := _block_dequantised_weight(node.args[1])) is not None:
+                fp8_groups[_activation_key(node.args[0])].append((node, fp8))
+    for members in fp8_groups.values():
+        if declined is not None and (len(members) > 1 or members[0][0].meta["val"].device.type in single_devices):
+            declined.append((members[0][0], "the weight is FP8 that the model's code block-dequantises (codes "
+                                             "times a scale per 128 x 128 block), which merged_linear does not read"))
     merged, singles = [], 0
     for members in groups.values():
         # Same dtype and reduction width: one GEMM; anything else stays as it is.

@@ -18,7 +18,15 @@ DeepSeek-V3.2, docs/MODELS.md) in the form vLLM's MLA backend runs it:
   fp32 scale, token-major), head weights ``weights_proj(x) * n_heads^-0.5 * q_scale *
   softmax_scale``, logits ``sum_h relu(q_h . k) * w_h * k_scale`` and top-k.
 
-FP8 GEMMs are simulated (dequantise, matmul in fp32): correct, not fast. The attention and
+FP8 GEMMs are simulated (dequantise, matmul in fp32): correct, not fast. Their weights are bf16,
+or with ``ReferenceConfig.fp8_weights`` DeepSeek's served format (the checkpoint's, HF's
+``weight_block_size`` [128, 128]): e4m3 codes [N, K] and a fp32 ``<weight>_scale_inv``
+[ceil(N/128), ceil(K/128)], w ~ wq[n, k] * sw[n // 128, k // 128], quantised by ``build`` from
+the bf16 weights it draws (``quantize_weight``, HF's ``Fp8Quantize``). Each such GEMM is
+
+    y[t, n] = sum_kb (sum_{k in kb} xq[t, k] * wq[n, k]) * sx[t, kb] * sw[n // 128, kb]
+
+formed as the dequantised product in fp32 (``fp8_linear``), rounded to bf16. The attention and
 the top-k are plain torch too; they are not what the fusions target. Everything here is
 ordinary model code: nothing imports the compiler's ops.
 """
@@ -55,6 +63,9 @@ class ReferenceConfig:
     block_size: int = 64
     kv_cache_dtype: str = "fp8_ds_mla"  # or "bf16"
     scale_ue8m0: bool = True  # DeepSeek V3.2's `scale_fmt: ue8m0`
+    # The FP8 GEMMs' weights as the checkpoint serves them (e4m3 codes + a fp32 scale per 128 x 128
+    # block, ``<weight>_scale_inv``); off: bf16 weights, what every benchmark so far measured.
+    fp8_weights: bool = False
     rope_theta: float = 10000.0
     rope_factor: float = 40.0
     original_max_position: int = 4096
@@ -107,10 +118,34 @@ def act_quant(x: torch.Tensor, block: int, ue8m0: bool) -> tuple[torch.Tensor, t
     return y.flatten(-2), scale.squeeze(-1)
 
 
-def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """An FP8 GEMM, simulated: dequantise the activation, multiply in fp32, return bf16."""
+def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """An FP8 GEMM, simulated: dequantise the activation (and with ``weight_scale`` the FP8
+    weight, ``weight_dequant``), multiply in fp32, return bf16."""
     x = (x_fp8.float().unflatten(-1, (-1, 128)) * x_scale.unsqueeze(-1)).flatten(-2)
-    return (x @ weight.float().t()).to(torch.bfloat16)
+    if weight_scale is None:
+        return (x @ weight.float().t()).to(torch.bfloat16)
+    return (x @ weight_dequant(weight, weight_scale).t()).to(torch.bfloat16)
+
+
+def weight_dequant(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """DeepSeek ``weight_dequant`` in fp32: wq[n, k] * s[n // block, k // block], the last blocks
+    partial where N or K is not a multiple of ``block``."""
+    n, k = weight.shape
+    full = scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return weight.float() * full[:n, :k]
+
+
+def quantize_weight(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 [ceil(N/block), ceil(K/block)]), HF's ``Fp8Quantize``: per
+    block s = amax / 448 (an all-zero block 1), wq = e4m3(clamp(w / s, +-448))."""
+    n, k = weight.shape
+    padded = nn.functional.pad(weight.float(), (0, -k % block, 0, -n % block))
+    blocks = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # [N/b, b, K/b, b]
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes.flatten(2).flatten(0, 1)[:n, :k].contiguous(), scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,11 +239,13 @@ class Indexer(nn.Module):
     compare them without the near-ties among 2048-of-4097 scores; None leaves the graph as is."""
 
     pinned_topk: torch.Tensor | None = None
+    fp8_linear_weights = ("wq_b",)
 
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
         self.cfg = cfg
         self.wq_b = nn.Parameter(torch.empty(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
+        self.register_buffer("wq_b_scale_inv", None)  # with FP8 weights (quantize_fp8_weights_)
         self.wk = nn.Parameter(torch.empty(cfg.index_head_dim, cfg.hidden_size))
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Parameter(torch.empty(cfg.index_n_heads, cfg.hidden_size))
@@ -216,7 +253,7 @@ class Indexer(nn.Module):
     def forward(self, x, qr_fp8, qr_scale, cos, sin, slots, index_cache, context_slots, context_valid):
         cfg = self.cfg
         tokens, heads, dim, rot = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        q = fp8_linear(qr_fp8, qr_scale, self.wq_b).view(tokens, heads, dim)
+        q = fp8_linear(qr_fp8, qr_scale, self.wq_b, self.wq_b_scale_inv).view(tokens, heads, dim)
         q_pe, q_nope = torch.split(q, [rot, dim - rot], dim=-1)
         q = torch.cat([rope_neox(q_pe, cos.unsqueeze(1), sin.unsqueeze(1)), q_nope], dim=-1)
         q_fp8, q_scale = act_quant(q, dim, cfg.scale_ue8m0)
@@ -243,6 +280,8 @@ class Indexer(nn.Module):
 class MLAAttention(nn.Module):
     """Absorbed MLA decode with the DSA indexer, over a paged latent cache."""
 
+    fp8_linear_weights = ("fused_qkv_a_proj", "q_b_proj")
+
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
         self.cfg = cfg
@@ -250,6 +289,8 @@ class MLAAttention(nn.Module):
         self.fused_qkv_a_proj = nn.Parameter(torch.empty(q_rank + kv_rank + rot, cfg.hidden_size))
         self.q_a_layernorm = RMSNorm(q_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Parameter(torch.empty(cfg.num_heads * cfg.qk_head_dim, q_rank))
+        for name in self.fp8_linear_weights:  # with FP8 weights (quantize_fp8_weights_)
+            self.register_buffer(f"{name}_scale_inv", None)
         self.kv_a_layernorm = RMSNorm(kv_rank, cfg.rms_norm_eps)
         self.w_uk = nn.Parameter(torch.empty(cfg.num_heads, cfg.qk_nope_head_dim, kv_rank))
         self.w_uv = nn.Parameter(torch.empty(cfg.num_heads, kv_rank, cfg.v_head_dim))
@@ -261,7 +302,7 @@ class MLAAttention(nn.Module):
         tokens, heads, kv_rank, rot = x.shape[0], cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
 
-        qkv = fp8_linear(x_fp8, x_scale, self.fused_qkv_a_proj)
+        qkv = fp8_linear(x_fp8, x_scale, self.fused_qkv_a_proj, self.fused_qkv_a_proj_scale_inv)
         q_c, kv_c, k_pe = torch.split(qkv, [cfg.q_lora_rank, kv_rank, rot], dim=-1)
         qr_fp8, qr_scale = act_quant(self.q_a_layernorm(q_c), 128, cfg.scale_ue8m0)
 
@@ -270,7 +311,7 @@ class MLAAttention(nn.Module):
         rows = latent_cache_rows(kv, k_pe, cfg, fp8=latent_cache.dtype == torch.uint8)
         latent_cache.view(-1, latent_cache.shape[-1]).index_put_((slots,), rows)
 
-        q = fp8_linear(qr_fp8, qr_scale, self.q_b_proj).view(tokens, heads, cfg.qk_head_dim)
+        q = fp8_linear(qr_fp8, qr_scale, self.q_b_proj, self.q_b_proj_scale_inv).view(tokens, heads, cfg.qk_head_dim)
         q_nope, q_pe = torch.split(q, [cfg.qk_nope_head_dim, rot], dim=-1)
         q_absorbed = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
         q = torch.cat([q_absorbed, rope_gptj(q_pe, cos.unsqueeze(1), sin.unsqueeze(1))], dim=-1)
@@ -359,7 +400,8 @@ def expected_sites(model: ReferenceModel, prefix: str = "") -> dict[str, dict[st
 
 @torch.no_grad()
 def build(cfg: ReferenceConfig, device="cpu", seed: int = 0) -> ReferenceModel:
-    """Random weights (bf16), seeded; norm weights around 1 so a missing multiply shows."""
+    """Random weights (bf16), seeded; norm weights around 1 so a missing multiply shows. With
+    ``cfg.fp8_weights`` the FP8 GEMMs' weights are then quantised (``quantize_fp8_weights_``)."""
     gen = torch.Generator().manual_seed(seed)
     model = ReferenceModel(cfg)
     for name, p in model.named_parameters():
@@ -373,7 +415,21 @@ def build(cfg: ReferenceConfig, device="cpu", seed: int = 0) -> ReferenceModel:
         else:
             value = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
         p.data = value.to(torch.bfloat16)
+    if cfg.fp8_weights:
+        quantize_fp8_weights_(model)
     return model.to(device)
+
+
+@torch.no_grad()
+def quantize_fp8_weights_(model: nn.Module) -> nn.Module:
+    """In place: each weight an ``fp8_linear`` reads (its module's ``fp8_linear_weights``) becomes
+    e4m3 codes, with its block scales in the buffer ``<weight>_scale_inv`` (``quantize_weight``)."""
+    for module in model.modules():
+        for name in getattr(module, "fp8_linear_weights", ()):
+            codes, scale = quantize_weight(getattr(module, name))
+            setattr(module, name, nn.Parameter(codes, requires_grad=False))
+            setattr(module, f"{name}_scale_inv", scale)
+    return model
 
 
 def make_step(cfg: ReferenceConfig, tokens: int = 2, context: int = 6, device="cpu", seed: int = 1) -> ReferenceStep:

@@ -71,7 +71,10 @@ def build(cfg: Config, num_layers: int, *, experts: str = "grouped", device="cpu
     if dtype != torch.bfloat16:
         raise ValueError(f"the DeepSeek reference runs bf16 activations, got dtype {dtype}")
     attention = dataclasses.replace(cfg.attention, num_layers=num_layers)
-    return moe.build(lambda: ref.ReferenceModel(attention, lambda: DecoderLayer(cfg, experts)), device, dtype, seed)
+    model = moe.build(lambda: ref.ReferenceModel(attention, lambda: DecoderLayer(cfg, experts)), device, dtype, seed)
+    if attention.fp8_weights:  # the attention's FP8 GEMMs read e4m3 codes and block scales
+        ref.quantize_fp8_weights_(model)
+    return model
 
 
 def make_step(model: ref.ReferenceModel, tokens: int = 2, context: int = 6, seed: int = 1) -> ReferenceStep:
