@@ -51,8 +51,11 @@ Two layouts, each as its code writes it:
   continuous batching (``generate_batch``): one packed sequence [1, T], the cache flat [slots,
   kv_heads, D] and written by ``index_copy_(0, slots, k.transpose(1, 2).squeeze(0))`` (an
   ``index_put`` at ``[slots]``), then read back by ``index_select`` (the replacement's new cache
-  feeds that read and the graph's final ``copy_``). Padding tokens all write one trash slot,
-  which HF never reads; the op writes it with one of their rows, as ``index_copy_`` does;
+  feeds that read and the graph's final ``copy_``). Flat forms exist of HF's NeoX RoPE after a
+  per-head norm (plain or Gemma) or none, gpt-oss's written-out halves, and ERNIE-4.5's and
+  Cohere's fp32 GPT-J pairs (``none.hf_flat_full_rope_gptj_fp32[_upcast]``), each built from its
+  static-cache search with ``cache="flat"``. Padding tokens all write one trash slot, which HF
+  never reads; the op writes it with one of their rows, as ``index_copy_`` does;
 * ``paged``: a serving engine (model_adapters/reference/<model>.py, vLLM's forward_native):
   [T, H, D], NeoX RoPE in fp32 with one rounding, cos / sin halves of a ``cos_sin_cache``
   gathered at the positions, K and V written into a paged cache at flat slots, bf16 or FP8 with
@@ -359,7 +362,8 @@ def _variant(norm: str, layout: str, cache: str = "bf16", tp: bool = False, rota
 # variant is tried first, and its guard declines a q or k with a norm in front (``_no_norm_reason``).
 # GPT-J pairs: HF's GLM-4 (partial) and Helium (full), and the fp32 turns of ERNIE-4.5 and
 # Cohere (full), all without q/k norms. HF's continuous batching (``hf_flat``): the same HF code,
-# its flat cache written at slots, NeoX RoPE, per-head norms (plain or Gemma) or none.
+# its flat cache written at slots: NeoX RoPE with per-head norms (plain or Gemma) or none, and
+# without norms gpt-oss's written-out halves and ERNIE-4.5's and Cohere's fp32 GPT-J pairs.
 _FLAT_NORMED = tuple(_variant(norm, "hf", "flat", rotary=rotary) for norm in ("per_head", "qwen")
                      for rotary in ("partial", "full"))  # fmt: skip
 VARIANTS = (
@@ -377,9 +381,10 @@ VARIANTS = (
     + _FLAT_NORMED
     + (_variant("none", "hf"), _variant("none", "hf", rotary="full"))
     + (_variant("none", "hf", "flat"), _variant("none", "hf", "flat", rotary="full"))
-    + tuple(_variant("none", "hf", rotary=rotary, rope="gptj") for rotary in ("partial", "full"))
-    + (_variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True),
-       _variant("none", "hf", rotary="full", rope="gptj", rope_fp32=True, upcast=True))
+    + tuple(_variant("none", "hf", cache, rotary=rotary, rope="gptj") for rotary in ("partial", "full")
+            for cache in ("bf16", "flat"))
+    + tuple(_variant("none", "hf", cache, rotary="full", rope="gptj", rope_fp32=True, upcast=upcast)
+            for upcast in (False, True) for cache in ("bf16", "flat"))
     + tuple(_variant("none", "hf", cache, rotary="full", rope="chunk") for cache in ("bf16", "flat"))
 )
 

@@ -3,20 +3,29 @@ cache): HF's own attention code, one packed [1, T] step padded to a fixed size, 
 into flat [slots, kv_heads, D] caches by ``cache.index_copy_(0, write_index, k.transpose(1,
 2).squeeze(0))`` and read back by ``index_select`` (transformers/generation/continuous_batching/
 cache.py). The ``hf_flat`` variants take it: Qwen2 and Llama (no q/k norms), Qwen3 (per-head
-plain norm), full NeoX RoPE in bf16.
+plain norm), full NeoX RoPE in bf16; without q/k norms, GPT-J pairs: ERNIE-4.5 (dense and MoE)
+and Cohere over the whole head turned in fp32 (``none.hf_flat_full_rope_gptj_fp32`` and
+``_upcast``), GLM-4 (half the head) and Helium (whole) in bf16 (``none.hf_flat_gptj``,
+``none.hf_flat_full_rope_gptj``): the flat forms of their static-cache variants.
 
 - ``generate_batch`` eager and compiled with ``CompileConfig(backend=FusionBackend(strict))``:
   one gqa_prologue per attention layer, no mla_prologue site at all, the same greedy tokens as
   eager continuous batching; the first layer's cache rows are eager's bits, later layers' within
   bf16 rounding (their inputs come through Inductor's code for the layers before: measured
-  2.5e-3 to 3.7e-3 relative, V's plain copies alike), and the compiled run writes exactly eager's
-  rows plus its warm-up step's, every other row left at its poison. The padding tokens' shared
-  trash slot (never read by HF) is left out. Nightly (36 s cold for the first model).
+  2.5e-3 to 3.7e-3 relative, ERNIE-4.5 2.8e-3 to 2.9e-3, Cohere 3.9e-3 to 4.3e-3, V's plain
+  copies alike), and the compiled run writes exactly eager's rows plus its warm-up step's,
+  every other row left at its poison. The padding tokens' shared trash slot (never read by HF) is
+  left out. Nightly (36 s cold for the first model).
 - Graph level (fast): HF CB's prologue spelled with HF's own functions (``Qwen3RMSNorm``,
   ``Qwen3NextRMSNorm``, ``apply_rotary_pos_emb`` of Qwen3 and of GLM-4-MoE for half-head RoPE,
   the cache lines of cache.py), fused for each norm and RoPE width; the near miss
   (K written along dim 1 of a heads-first flat cache) is a miss in words, and no mla_prologue
   miss is reported for these GQA attentions.
+- Graph level, HF's own ERNIE-4.5, Cohere, GLM-4 and Helium (2 layers) on one packed step under
+  ``paged|sdpa``, HF's ``PagedAttentionCache.update`` writing the flat caches: one gqa_prologue
+  per layer with the model's flat GPT-J variant, the first layer's rows eager's bits; the near miss (K along dim 1) is
+  no site of either prologue family for these un-normed attentions: nothing fuses, nothing is
+  reported.
 """
 
 from __future__ import annotations
@@ -35,7 +44,16 @@ cb_cache = pytest.importorskip("transformers.generation.continuous_batching.cach
 FAMILY = "gqa_prologue"
 _SIZES = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256)  # fmt: skip
-VARIANTS = {"qwen2": "none.hf_flat_full_rope", "llama": "none.hf_flat_full_rope", "qwen3": "per_head.hf_flat_full_rope"}
+VARIANTS = {"qwen2": "none.hf_flat_full_rope", "llama": "none.hf_flat_full_rope", "qwen3": "per_head.hf_flat_full_rope",
+            "ernie4_5": "none.hf_flat_full_rope_gptj_fp32", "ernie4_5_moe": "none.hf_flat_full_rope_gptj_fp32",
+            "cohere": "none.hf_flat_full_rope_gptj_fp32_upcast", "glm4": "none.hf_flat_gptj",
+            "helium": "none.hf_flat_full_rope_gptj"}  # fmt: skip
+# ERNIE-4.5-MoE: a dense layer, then a MoE layer
+_EXTRA = {"ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1,
+                               moe_num_shared_experts=1),
+          "glm4": dict(pad_token_id=0), "helium": dict(pad_token_id=0)}  # fmt: skip
+# Cohere's decoder norms are LayerNorms: add_rms_norm's reported misses, which strict would raise on.
+_OFF = {"cohere": ("add_rms_norm",)}
 PROMPTS = [[1, 5, 9, 13, 7], [2, 4, 6], [11, 12, 13, 14, 15, 16, 17]]
 _BLOCK, _TOKENS = 16, 32  # block_size, max_batch_tokens
 POISON = 7.0  # every cache row but the read trash (zeroed by HF): a row HF never wrote keeps it
@@ -45,11 +63,17 @@ def _model(name: str):
     import transformers
 
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "qwen3": transformers.Qwen3Config}[name]  # fmt: skip
+                    "qwen3": transformers.Qwen3Config, "ernie4_5": transformers.Ernie4_5Config,
+                    "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+                    "cohere": transformers.CohereConfig, "glm4": transformers.Glm4Config,
+                    "helium": transformers.HeliumConfig}[name]  # fmt: skip
     model_class = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM,
-                   "qwen3": transformers.Qwen3ForCausalLM}[name]  # fmt: skip
+                   "qwen3": transformers.Qwen3ForCausalLM, "ernie4_5": transformers.Ernie4_5ForCausalLM,
+                   "ernie4_5_moe": transformers.Ernie4_5_MoeForCausalLM,
+                   "cohere": transformers.CohereForCausalLM, "glm4": transformers.Glm4ForCausalLM,
+                   "helium": transformers.HeliumForCausalLM}[name]  # fmt: skip
     torch.manual_seed(0)
-    model = model_class(config_class(**_SIZES)).to(torch.bfloat16).eval()
+    model = model_class(config_class(**_SIZES, **_EXTRA.get(name, {}))).to(torch.bfloat16).eval()
     for param_name, param in model.named_parameters():  # norm weights away from their init of ones
         if param_name.endswith(("q_norm.weight", "k_norm.weight")):
             torch.nn.init.normal_(param, 1.0, 0.2)
@@ -92,7 +116,8 @@ def cb_run(name: str) -> dict:
     eager_tokens, eager_caches, trash = _generate(model)
     torch._dynamo.reset()
     # CompileConfig.to_dict deep-copies the backend: its report is the last one compiled.
-    tokens, caches, _ = _generate(model, fc.FusionBackend(fc.FusionConfig(strict=True)))
+    families = dict.fromkeys(_OFF.get(name, ()), "off")
+    tokens, caches, _ = _generate(model, fc.FusionBackend(fc.FusionConfig(families=families, strict=True)))
     return dict(model=model, report=fc.last_report(), eager_tokens=eager_tokens, tokens=tokens,
                 eager_caches=eager_caches, caches=caches, trash=trash)  # fmt: skip
 
@@ -121,7 +146,7 @@ def _assert_fuses_every_layer(name: str) -> None:
 # Nightly: a cold process takes 36 s for Qwen2 (its first compile traces every family's patterns),
 # then 5-9 s for each of the others; the graph-level tests below keep the CPU tier's coverage.
 @pytest.mark.nightly
-@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "ernie4_5", "ernie4_5_moe", "cohere", "glm4", "helium"])
 def test_generate_batch_fuses_every_attention_layer(name):
     _assert_fuses_every_layer(name)
 
@@ -240,3 +265,109 @@ def test_a_write_along_dim_1_is_a_miss_in_words():
     assert "continuous batching's flat one" in miss.reason
     assert not [s for s in report.sites if s.family == "mla_prologue"], report.format()
 
+
+# ------------------------------------------------------------------------------------------
+# Graph level: ERNIE-4.5's and Cohere's GPT-J pairs in fp32, HF's own model on one packed step
+# ------------------------------------------------------------------------------------------
+
+
+class FlatCache:
+    """What HF's ``PagedAttentionCache.update`` reads of its cache (one group of full-attention
+    layers, [slots, kv_heads, D] each), with that ``update`` itself: the cache lines as
+    ``paged|sdpa`` runs them. Three cached rows (slots 0-2) random, every other row POISON.
+    ``heads_first``: the near miss, [kv_heads, slots, D] written along dim 1."""
+
+    update = cb_cache.PagedAttentionCache.update
+
+    def __init__(self, layers: int, heads_first: bool = False):
+        torch.manual_seed(1)
+        shape = (2, 32, _D) if heads_first else (32, 2, _D)
+        self.key_cache, self.value_cache = ([torch.full(shape, POISON, dtype=torch.bfloat16) for _ in range(layers)]
+                                            for _ in range(2))  # fmt: skip
+        for cache in self.key_cache + self.value_cache:
+            (cache[:, :3] if heads_first else cache[:3]).normal_()
+        self.layer_index_to_group_indices = {i: (0, i) for i in range(layers)}
+        self.sliding_windows = dict.fromkeys(range(layers), 1)
+
+
+class HeadsFirstCache(FlatCache):
+    def __init__(self, layers: int):
+        super().__init__(layers, heads_first=True)
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        caches = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        for cache, states in zip(caches, (key_states, value_states)):
+            cache.index_copy_(1, write_index[0], states.squeeze(0))
+        return tuple(torch.index_select(cache, 1, read_index[0]).transpose(0, 1) for cache in caches)
+
+
+# One packed step of 6 tokens: request A's 2 new tokens (positions 3, 4; its 3 cached rows at slots
+# 0-2) at slots 3, 4, request B's 3 prompt tokens at slots 16-18, one padding token (trash slot 30).
+_IDS, _POSITIONS = torch.tensor([[5, 9, 1, 2, 3, 0]]), torch.tensor([[3, 4, 0, 1, 2, 0]])
+_WRITE, _READ = torch.tensor([3, 4, 16, 17, 18, 30]), torch.tensor([0, 1, 2, 3, 4, 16, 17, 18])
+# Which read rows each token attends (A causally over its 5, B over its 3, the padding one row).
+_SEEN = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0],
+                      [0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0, 0]],
+                     dtype=torch.bool)  # fmt: skip
+
+
+def _packed_step(name: str, cache_class=FlatCache):
+    """HF's model (``paged|sdpa``) on the packed step, eager and compiled with only the prologue
+    families on; returns (report, eager logits and cache, compiled logits and cache)."""
+    model = _model(name)
+    model.set_attn_implementation("paged|sdpa")
+    mask = torch.zeros(1, 1, *_SEEN.shape, dtype=torch.bfloat16).masked_fill(~_SEEN, float("-inf"))
+
+    def run(forward, cache):
+        with torch.no_grad():
+            return forward(input_ids=_IDS, position_ids=_POSITIONS, attention_mask=mask, cache=cache,
+                           read_index=[_READ], write_index=[_WRITE], use_cache=False).logits  # fmt: skip
+
+    layers = model.config.num_hidden_layers
+    eager_cache, cache = cache_class(layers), cache_class(layers)
+    eager = run(model, eager_cache)
+    families = {family: "off" for family in fc.FAMILY_ORDER} | {FAMILY: "triton", "mla_prologue": "triton"}
+    backend = fc.FusionBackend(fc.FusionConfig(families=families))
+    torch._dynamo.reset()
+    fused = run(torch.compile(model, backend=backend), cache)
+    return backend.report, (eager, eager_cache), (fused, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ernie4_5", "cohere", "glm4", "helium"])
+def test_hf_gptj_prologue_fuses_once_per_layer_on_the_flat_cache(name):
+    """One gqa_prologue per attention layer, the model's flat GPT-J variant, no miss and no
+    mla_prologue site; the logits within bf16 rounding of eager's, the first layer's written K / V
+    rows eager's bits, the second's within bf16 rounding (its input comes through Inductor's code
+    for the first layer: measured K 4.4e-3 / V 4.4e-3 ERNIE-4.5, 3.7e-3 / 4.3e-3 Cohere, the same
+    with the family off), every other row unchanged but the trash slot."""
+    report, (eager, eager_cache), (fused, cache) = _packed_step(name)
+    assert report.per_layer(FAMILY) == {0: 1, 1: 1} and report.per_variant() == {VARIANTS[name]: 2}, report.format()
+    assert report.misses() == [] and not [s for s in report.sites if s.family == "mla_prologue"], report.format()
+    assert relative_error(fused, eager) < 1e-2
+    written, others = _WRITE[:5], torch.ones(32, dtype=torch.bool)
+    others[_WRITE] = False
+    layers = len(cache.key_cache)
+    for i, (want, got) in enumerate(zip(eager_cache.key_cache + eager_cache.value_cache,
+                                        cache.key_cache + cache.value_cache)):  # fmt: skip
+        assert torch.equal(got[others], want[others])
+        if i % layers == 0:  # layer 0: eager's inputs
+            assert torch.equal(got[written].view(torch.int16), want[written].view(torch.int16))
+        else:
+            assert relative_error(got[written], want[written]) < 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ernie4_5", "cohere"])
+def test_a_gptj_fp32_write_along_dim_1_is_no_site(name):
+    """The near miss above for the GPT-J form: K written along dim 1 of a heads-first flat cache
+    is neither HF's static cache nor its continuous batching's. Without a q/k norm, a RoPE written
+    to a cache other than HF's is no GQA site at all (DeepSeek V3's k_rot is one such), and GPT-J
+    pairs are no mla_prologue site (the NeoX form is one there, a miss): nothing fuses and no miss
+    is reported; the model's outputs stand."""
+    report, (eager, eager_cache), (fused, cache) = _packed_step(name, HeadsFirstCache)
+    assert report.per_module(FAMILY) == {} and report.per_variant() == {}, report.format()
+    assert not [s for s in report.sites if s.family in (FAMILY, "mla_prologue")], report.format()
+    assert relative_error(fused, eager) < 1e-2
+    pairs = zip(eager_cache.key_cache + eager_cache.value_cache, cache.key_cache + cache.value_cache)
+    assert all(relative_error(got, want) < 1e-2 for want, got in pairs)
