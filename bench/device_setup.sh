@@ -8,6 +8,9 @@ SETUP_DIR=$1
 mkdir -p "$1"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$1/install.log" 2>&1 || { cat "$1/install.log"; exit 1; }
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$1/versions.log"
+# The card in result names (h100, h200): the device tool may hand out either.
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -o -E 'H[0-9]+' | tr H h)
+GPU=${GPU:-gpu}
 
 # inspect_one MODEL SECONDS: inspect --device cuda at real widths into DIR (JSON and log), then
 # the log's tail.

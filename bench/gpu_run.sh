@@ -21,7 +21,7 @@
 #                            KERNELS_SECONDS / STEP_GRAPHS_SECONDS / GENERATE_SECONDS (220 / 300 /
 #                            300) bound the groups (kernels took 135 s at e6895dd).
 #   mutations [ARGS...]      bench/mutations.py --device cuda (baselines and faults, MUTATION_JOBS
-#                            at once) into $OUT/mutations_cuda_h200_<commit>.md; ARGS e.g. --only
+#                            at once) into $OUT/mutations_cuda_<gpu>_<commit>.md; ARGS e.g. --only
 # The user's path, HF generate() (issue 24; results in $OUT):
 #   generate-checks [END_SECONDS MODEL]
 #                            the GPU tier (as the tier phase; carry wheels/ too), then the kernels
@@ -30,7 +30,7 @@
 #                            internals (decline, dtypes, routes) under the device's torch; then, if
 #                            given, bench/generate.py for MODEL until END_SECONDS after the start
 #   generate-bench SECONDS MODEL [ARGS...]
-#                            bench/generate.py at real widths into $OUT/generate_h200_MODEL.json
+#                            bench/generate.py at real widths into $OUT/generate_<gpu>_MODEL.json
 #                            (written after every case)
 # The decode step per layer (issue 7; results in $OUT/decode_results.tgz):
 #   decode ARGS...           bench/decode.py ARGS (e.g. --models minimax-m2.5 --batches 1 64); JSON
@@ -97,12 +97,12 @@ run_tests() {  # NAME SECONDS PYTEST-ARGS...
 # bench/generate.py for MODEL into $R, then the log's tail.
 generate_bench() {  # SECONDS MODEL TAIL [ARGS...]
   local limit=$1 model=$2 lines=$3; shift 3
-  timeout "$limit" python3 bench/generate.py --model "$model" --out "$R/generate_h200_$model.json" "$@" \
+  timeout "$limit" python3 bench/generate.py --model "$model" --out "$R/generate_${GPU}_$model.json" "$@" \
     > "$R/generate_$model.log" 2>&1
   echo "generate $model: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/generate_$model.log" | cut -c1-400 | tail -n "$lines"
 }
 gated_bench() {  # SECONDS
-  timeout "$1" python3 bench/rms_norm.py --gated --out "$R/gated_norm_h200.json" > "$R/gated_bench.log" 2>&1
+  timeout "$1" python3 bench/rms_norm.py --gated --out "$R/gated_norm_${GPU}.json" > "$R/gated_bench.log" 2>&1
   echo "gated bench: rc=$?"; grep -v -i warn "$R/gated_bench.log" | tail -n 8
 }
 # The routing and experts kernels' GPU tests, then the router at real widths: checked, and one
@@ -111,7 +111,7 @@ moe_checks() {  # TESTS_SECONDS ROUTER_SECONDS
   run_tests moe_kernel_tests "$1" -m gpu tests/kernels/test_moe_experts.py tests/kernels/test_moe_route.py \
     tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_routing_gpu.py
   timeout "$2" python3 bench/moe_router_check.py --parts check,split \
-    --out "$R/moe_router_split_h200_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
+    --out "$R/moe_router_split_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/moe_router.log" 2>&1
   echo "router check/split: rc=$?"; grep -v -i "warn" "$R/moe_router.log" | cut -c1-300 | tail -n 30
 }
 # A tier group: its own pytest run and log; a failed group sets status.
@@ -170,7 +170,7 @@ mutations)
   R=$OUT
   source bench/device_setup.sh "$R/setup"
   timeout "${MUTATIONS_SECONDS:-540}" python3 bench/mutations.py --device cuda --jobs "${MUTATION_JOBS:-6}" \
-    --timeout 420 --out "$R/mutations_cuda_h200_${FUSION_COMMIT:-unknown}.md" "$@" 2>&1 | grep -v -i warn | tail -n 20
+    --timeout 420 --out "$R/mutations_cuda_${GPU}_${FUSION_COMMIT:-unknown}.md" "$@" 2>&1 | grep -v -i warn | tail -n 20
   ;;
 generate-checks)
   R=$OUT
@@ -210,13 +210,13 @@ decode|decode-checks|inspect|dsa|gated)
     for model in "$@"; do inspect_one "$model" 280; done
   elif [ "$phase" = dsa ]; then
     run_tests dsa_kernel_tests 150 -m gpu tests/kernels/test_dsa_topk_mask.py
-    timeout $((570 - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
+    timeout $((570 - SECONDS)) python3 bench/decode.py --out "$R/decode_${GPU}.json" --png "$R/decode_${GPU}.png" "$@" > "$R/decode.log" 2>&1
     echo "decode bench: rc=$?"; grep -h "| x\|Error" "$R/decode.log" | cut -c1-400 | tail -n 30
   elif [ "$phase" = gated ]; then
     run_tests gated_tests 200 -m gpu tests/kernels/test_rms_norm.py -k gated
     gated_bench 300
   else
-    timeout "${DECODE_SECONDS:-540}" python3 bench/decode.py --out "$R/decode_h200.json" --png "$R/decode_h200.png" "$@" > "$R/decode.log" 2>&1
+    timeout "${DECODE_SECONDS:-540}" python3 bench/decode.py --out "$R/decode_${GPU}.json" --png "$R/decode_${GPU}.png" "$@" > "$R/decode.log" 2>&1
     echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
   fi
   pack decode_results
@@ -224,29 +224,29 @@ decode|decode-checks|inspect|dsa|gated)
 kernels)
   source bench/device_setup.sh "$OUT"
   python3 -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/gpu_tier.log"
-  python3 bench/rms_norm.py --out "$OUT/kernels_h200.json" 2>&1 | tee "$OUT/bench.log"
+  python3 bench/rms_norm.py --out "$OUT/kernels_${GPU}.json" 2>&1 | tee "$OUT/bench.log"
   timeout 240 python3 -m pytest -q -x -p no:faulthandler -p no:cacheprovider tests/patterns tests/passes 2>&1 | tail -n 30 | tee "$OUT/cpu_tier_on_gpu_torch.log"
   ;;
 moe|moe-ab|moe-tail|moe-variants)
   R=$OUT/moe_results
   source bench/device_setup.sh "$R"
   if [ "$phase" = moe-ab ]; then
-    timeout 240 python3 bench/moe_router_check.py --parts ab --out "$R/moe_router_ab_h200.json" > "$R/moe_router_ab.log" 2>&1; echo "rc $?"
+    timeout 240 python3 bench/moe_router_check.py --parts ab --out "$R/moe_router_ab_${GPU}.json" > "$R/moe_router_ab.log" 2>&1; echo "rc $?"
     grep -v "^ *$" "$R/moe_router_ab.log" | cut -c1-300 | tail -n 80
   elif [ "$phase" = moe-variants ]; then
     timeout 400 python3 bench/moe_router_check.py --parts gemm --gemm-variants ${VARIANTS:-shipped route15} \
-      --gemm-tokens 1 --out "$R/moe_router_tail_h200.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
+      --gemm-tokens 1 --out "$R/moe_router_tail_${GPU}.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
     grep "copy\|^  [a-z]" "$R/moe_router_tail.log" | grep -v "{" | cut -c1-130
   elif [ "$phase" = moe-tail ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_moe_router_gpu.py 2>&1 | tail -n 8 | tee "$R/moe_router_gpu_tests.log"
-    timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 14
+    timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_${GPU}.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 14
     timeout 150 python3 bench/moe_router_check.py --parts gemm --gemm-variants shipped route15 counters \
-      --gemm-tokens 1 --out "$R/moe_router_tail_h200.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
+      --gemm-tokens 1 --out "$R/moe_router_tail_${GPU}.json" > "$R/moe_router_tail.log" 2>&1; echo "rc $?"
     grep "copy\|^  [a-z]" "$R/moe_router_tail.log" | grep -v "{" | cut -c1-130
   else
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route.py 2>&1 | tail -n 15 | tee "$R/moe_kernel_tests_cuda.log"
-    timeout 150 python3 bench/moe_router_check.py --out "$R/moe_router_check_h200.json" > "$R/moe_router_check.log" 2>&1; grep -v "^ *$" "$R/moe_router_check.log" | cut -c1-300 | tail -n 60
-    timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_h200.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 30
+    timeout 150 python3 bench/moe_router_check.py --out "$R/moe_router_check_${GPU}.json" > "$R/moe_router_check.log" 2>&1; grep -v "^ *$" "$R/moe_router_check.log" | cut -c1-300 | tail -n 60
+    timeout 200 python3 bench/moe_routing.py --out "$R/moe_routing_${GPU}.json" > "$R/moe_routing.log" 2>&1; grep -v Warning "$R/moe_routing.log" | cut -c1-400 | tail -n 30
     timeout 120 fusion-compiler inspect deepseek-v3.2 --device cuda --layers 2 --json "$R/inspect_deepseek_real_cuda.json" > "$R/inspect.log" 2>&1; tail -n 14 "$R/inspect.log"
   fi
   pack moe_results
@@ -256,7 +256,7 @@ gdn)
   source bench/device_setup.sh "$R"
   # The tests first: with fla installed, HF's GDN layer (their reference) would run fla's kernels.
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py tests/ops/test_gdn_decode.py 2>&1 | tail -n 25 | tee "$R/gdn_tests_cuda.log"
-  timeout 200 python3 bench/diagnostics/gdn_tiling_sweep.py --out "$R/gdn_tiling_sweep_h200.json" 2>&1 | grep -v -i warn | grep "best\|error" | tail -n 12
+  timeout 200 python3 bench/diagnostics/gdn_tiling_sweep.py --out "$R/gdn_tiling_sweep_${GPU}.json" 2>&1 | grep -v -i warn | grep "best\|error" | tail -n 12
   if ls .wheels/fla_core-*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-deps --no-index .wheels/einops-*.whl .wheels/fla_core-*.whl > "$R/fla_install.log" 2>&1 \
       || { echo "fla install failed (the bench runs without the fla rows):"; tail -n 5 "$R/fla_install.log"; }
@@ -265,7 +265,7 @@ gdn)
   else
     echo "no .wheels/fla_core-*.whl: was the call made with carry: [\".wheels\"]? The bench runs without the fla rows." | tee -a "$R/versions.log"
   fi
-  timeout 200 python3 bench/gdn_decode.py --out "$R/gdn_decode_h200.json" > "$R/gdn_decode.log" 2>&1
+  timeout 200 python3 bench/gdn_decode.py --out "$R/gdn_decode_${GPU}.json" > "$R/gdn_decode.log" 2>&1
   grep -v -i warn "$R/gdn_decode.log" | cut -c1-700 | tail -n 40
   pack gdn_results
   ;;
@@ -285,7 +285,7 @@ moe-launches)
   moe_checks 200 150
   limit=$((570 - SECONDS))
   timeout "$limit" python3 bench/moe_experts.py --seconds $((limit - 40)) \
-    --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
+    --out "$R/moe_experts_${GPU}_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
   echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
   pack moe_launches_results
   ;;
@@ -293,7 +293,7 @@ moe-layers)
   R=$OUT/moe_layers_results
   source bench/device_setup.sh "$R"
   moe_checks 170 110
-  timeout $((${LAYERS_END:-570} - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" "$@" > "$R/decode.log" 2>&1
+  timeout $((${LAYERS_END:-570} - SECONDS)) python3 bench/decode.py --out "$R/decode_${GPU}.json" "$@" > "$R/decode.log" 2>&1
   echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
   pack moe_layers_results
   ;;
@@ -302,7 +302,7 @@ moe-experts)
   source bench/device_setup.sh "$R"
   limit=${MOE_EXPERTS_SECONDS:-480}
   timeout "$limit" python3 bench/moe_experts.py --seconds $((limit - 60)) \
-    --out "$R/moe_experts_h200_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
+    --out "$R/moe_experts_${GPU}_${FUSION_COMMIT:0:7}.json" "$@" > "$R/moe_experts.log" 2>&1
   echo "moe-experts bench: rc=$?"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/moe_experts.log" | cut -c1-400 | tail -n 30
   pack moe_experts_results
   ;;
@@ -311,10 +311,10 @@ sparse-attention)
   source bench/device_setup.sh "$R"
   run_tests decode_attention_tests 150 -m gpu tests/gpu/test_decode_attention_gpu.py tests/kernels/test_decode_attention.py
   timeout 240 python3 bench/diagnostics/decode_attention_sparse.py \
-    --out "$R/decode_attention_sparse_h200_${FUSION_COMMIT:0:7}.json" > "$R/sparse.log" 2>&1
+    --out "$R/decode_attention_sparse_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/sparse.log" 2>&1
   echo "sparse bench: rc=$?"; grep -v -i warn "$R/sparse.log" | cut -c1-300 | tail -n 20
   if [ $# -gt 0 ]; then
-    timeout $((570 - SECONDS)) python3 bench/decode.py --out "$R/decode_h200.json" "$@" > "$R/decode.log" 2>&1
+    timeout $((570 - SECONDS)) python3 bench/decode.py --out "$R/decode_${GPU}.json" "$@" > "$R/decode.log" 2>&1
     echo "decode bench: rc=$?"; grep -v -i "warn\|decode bench:" "$R/decode.log" | cut -c1-400 | tail -n 30
   fi
   pack sparse_attention_results
