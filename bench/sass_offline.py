@@ -416,7 +416,7 @@ DECODE_ATTENTION_MODELS = {
 
 def decode_attention_launch(model: str, batch: int, seq_len: int, sparse: bool = False) -> dict[str, _Recorder]:
     """decode_attention (ops/decode_attention.py's CUDA entry) over HF's static bf16 cache with its
-    bool mask row (``sparse``: a top-k mask's, whose ruled-out rows are not loaded); the split
+    bool mask row (``sparse``: the skip launch, which loads no row the mask rules out); the split
     kernel and, when it splits, the combine kernel."""
     from fusion_compiler.kernels import decode_attention as K
     from fusion_compiler.ops import decode_attention as ops
@@ -458,7 +458,7 @@ def shipped_cases() -> list[tuple[str, str, object]]:
     rms_norm (add_rms_norm at each model's hidden width, 1 and 64 tokens, plain at 1; Qwen3.5's
     gated norm), the MLA q and kv prologues (serving at 1 and 4096 tokens, HF at 1), the TP
     variance, skinny_gemm at bench/skinny_gemm_check.py's projections, decode_attention (each
-    model at batch 1 and 64; DeepSeek's sparse variant too), dsa_topk_mask and gdn_fla's scatter_rows."""
+    model at batch 1 and 64, and its skip of masked rows), dsa_topk_mask and gdn_fla's scatter_rows."""
     from moe_router_check import MODELS
     from skinny_gemm_check import SHAPES
 
@@ -494,8 +494,9 @@ def shipped_cases() -> list[tuple[str, str, object]]:
               for name, (n, k) in SHAPES.items()]  # fmt: skip
     cases += [(f"decode_attention {m} batch={b} S=4096 {name}", name, lambda m=m, b=b: decode_attention_launch(m, b, 4096))
               for m in DECODE_ATTENTION_MODELS for b in (1, 64) for name in ("_split_kernel", "_combine_kernel")]  # fmt: skip
-    cases += [(f"decode_attention deepseek-v3.2 batch={b} S=4096 sparse _split_kernel", "_split_kernel",
-               lambda b=b: decode_attention_launch("deepseek-v3.2", b, 4096, sparse=True)) for b in (1, 64)]  # fmt: skip
+    cases += [(f"decode_attention {m} batch={b} S=4096 sparse _split_kernel", "_split_kernel",
+               lambda m=m, b=b: decode_attention_launch(m, b, 4096, sparse=True))
+              for m in DECODE_ATTENTION_MODELS for b in (1, 64)]  # fmt: skip
     cases += [(f"dsa_topk_mask deepseek-v3.2 batch=1 keys=4096{' masked' if masked else ''} {name}", name,
                lambda masked=masked: dsa_topk_launch(1, 4096, masked))
               for masked in (False, True) for name in ("_score_kernel", "_select_kernel")]  # fmt: skip

@@ -7,8 +7,10 @@ DeepSeek V3.2 as HF runs it (K / V expanded per head: 128 / 128 heads, D 192, Dv
     dsa_topk_mask hands the attention;
   - ``all``: every position kept (the skip's cost where it cannot save anything);
   - ``tail``: a static cache twice the context, its unwritten half masked (HF's StaticCache).
-MiniMax-M2.5 (48 / 8 heads of 128) at batch 1 and 64 with ``all``: the dense sites keep the
-dense launch; this row says what the skip would cost them.
+MiniMax-M2.5 (48 / 8 heads of 128) and Qwen3.5's full attention (32 / 2 heads of 256) at batch 1
+and 64 with ``all`` and ``tail``: every masked site now launches the skip (its cost where nothing
+is masked, its gain on a static cache's tail). ``--only REGEX`` picks cases by "model batch
+context mask".
 
 Per case and launch: the max relative error against the fp32 reference on one input set, the
 µs per call as CUDA-graph replays over rotated input sets (bench/common.py ``graph_time_us``),
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import traceback
 
@@ -38,13 +41,13 @@ import common  # noqa: E402
 from fusion_compiler.kernels import decode_attention as kernel  # noqa: E402
 from fusion_compiler.ops.decode_attention import decode_attention_reference  # noqa: E402
 
-MODELS = {"deepseek-v3.2": (128, 128, 192, 128), "minimax-m2.5": (48, 8, 128, 128)}
-SMOKE_MODELS = {"deepseek-v3.2": (4, 4, 48, 32), "minimax-m2.5": (6, 2, 32, 32)}
+MODELS = {"deepseek-v3.2": (128, 128, 192, 128), "minimax-m2.5": (48, 8, 128, 128), "qwen3.5": (32, 2, 256, 256)}
+SMOKE_MODELS = {"deepseek-v3.2": (4, 4, 48, 32), "minimax-m2.5": (6, 2, 32, 32), "qwen3.5": (4, 2, 64, 64)}
 TOP_K = 2048
 # (model, batch, context, mask)
 CASES = [("deepseek-v3.2", b, 4096, m) for b in (1, 8, 64) for m in ("topk", "all", "tail")]
 CASES += [("deepseek-v3.2", b, 16384, "topk") for b in (1, 8)]
-CASES += [("minimax-m2.5", b, 4096, "all") for b in (1, 64)]
+CASES += [(m, b, 4096, mask) for m in ("minimax-m2.5", "qwen3.5") for b in (1, 64) for mask in ("all", "tail")]
 L2_DEFEAT_BYTES = 256 * 2**20
 MAX_ROTATIONS = 8
 
@@ -113,11 +116,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny: the errors only")
+    parser.add_argument("--only", default="", help="the cases whose 'model batch context mask' this regex finds")
     args = parser.parse_args()
     bandwidth = None if args.smoke else common.copy_bandwidth_gbs()
     result = {"what": __doc__.split("\n\n")[0], "device": None if args.smoke else common.device_facts(),
               "copy_bandwidth_gbs": bandwidth, "smoke": args.smoke, "rows": []}  # fmt: skip
-    for case in CASES:
+    for case in [c for c in CASES if re.search(args.only, " ".join(map(str, c)))]:
         try:
             row = run_case(*case, bandwidth, smoke=args.smoke)
             timed = "" if args.smoke else (

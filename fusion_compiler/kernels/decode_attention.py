@@ -19,13 +19,14 @@ CUDA graph) and ``_combine_kernel`` (one program per (batch, query head)) rescal
 them. The split count depends on shapes only (``num_splits``): about one program per SM of the
 H200 (132), at least 2 tiles a split, no empty split.
 
-``skip_masked`` (the op's ``sparse_mask``, set where the mask is DSA's top-k): each tile reads its
-mask first and loads no K / V row the mask rules out (bool False, additive -inf; a finfo.min
-entry is loaded, for the fully masked row below), so DeepSeek V3.2's top 2048 of a 4096-token
-cache read half its bytes. Off, the K load does not wait on the mask load; with it, Triton 3.6
+``skip_masked`` (the op's ``sparse_mask``, set by the pattern wherever there is a mask): each
+tile reads its mask first and loads no K / V row the mask rules out (bool False, additive
+-inf; a finfo.min entry is loaded, for the fully masked row below), so DeepSeek V3.2's top 2048
+of a 4096-token cache read half its bytes, and a static cache's unwritten tail is not read. Off, the K load does not wait on the mask load; with it, Triton 3.6
 still pipelines K / V through cp.async, but each predicate is a byte load of the mask (sm_90
-SASS: 72 more loads a tile, 128 -> 186 registers at DeepSeek's widths). Untimed on the H200 as
-yet (bench/diagnostics/decode_attention_sparse.py).
+SASS: 72 more loads a tile, 128 -> 186 registers at DeepSeek's widths). Timed on the H100
+(bench/diagnostics/decode_attention_sparse.py): 1.25-1.56x where half the rows are masked,
+0.97-1.14x where none is.
 
 Fully masked rows: every split has m = -inf, l = 0, so the result is 0 / 0 = NaN, like
 ``scaled_dot_product_attention``'s. A ``finfo.min`` additive mask (HF's) is added in natural
@@ -359,7 +360,8 @@ def decode_attention_fwd(
     strides; mask None, bool or additive float, [B or 1, 1, 1, S], any strides. ``splits``
     (default ``num_splits``) and ``block_s`` (default ``block_s_for``) are for tests.
     ``skip_masked``: read the mask before K and load no K / V row it rules out (for a mask
-    known to keep few positions, e.g. DSA's top-k; each K / V load then waits on a mask load).
+    that rules rows out: DSA's top-k, a static cache's tail; each K / V load then waits on a
+    mask load).
     No host syncs; with splits > 1 the fp32 workspace comes from ``torch.empty``.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1:

@@ -80,9 +80,36 @@ def _compile(module, *inputs):
     return backend.report, out, want
 
 
-def test_a_one_row_mask_fuses_and_equals_sdpa():
+def _skip_hints(monkeypatch) -> list:
+    """The ``sparse_mask`` argument of every decode_attention node the stage writes."""
+    from fusion_compiler.patterns import decode_attention as stage
+
+    real, hints = stage.fuse_decode_attention, []
+
+    def recorded(graph):
+        sites = real(graph)
+        op = torch.ops.fusion_compiler.decode_attention.default
+        hints.extend(bool(n.args[5]) if len(n.args) > 5 else False for n in graph.nodes if n.target is op)
+        return sites
+
+    monkeypatch.setattr(stage, "fuse_decode_attention", recorded)
+    return hints
+
+
+def test_a_one_row_mask_fuses_and_equals_sdpa(monkeypatch):
+    """A length mask (a static cache's unwritten tail): the variant is not ".sparse" (that names
+    DSA's top-k), but the op is told to skip the rows the mask rules out."""
+    hints = _skip_hints(monkeypatch)
     report, out, want = _compile(_Attention(), *_inputs())
-    assert report.count(FAMILY, "repeat_kv") == 1  # not ".sparse": a causal mask keeps most rows
+    assert report.count(FAMILY, "repeat_kv") == 1
+    assert hints == [True]
+    assert relative_error(out.float(), want.float()) < 1e-2
+
+
+def test_no_mask_no_skip(monkeypatch):
+    hints = _skip_hints(monkeypatch)
+    report, out, want = _compile(_Attention(), *_inputs()[:3], None)
+    assert report.count(FAMILY, "repeat_kv") == 1 and hints == [False]
     assert relative_error(out.float(), want.float()) < 1e-2
 
 
@@ -120,8 +147,8 @@ class _TopKAttention(torch.nn.Module):
 
 
 def test_a_top_k_mask_fuses_as_sparse_and_equals_sdpa():
-    """The mask is dsa_topk_mask's: the op is told it is sparse (its kernel then loads only the
-    kept rows); a causal mask alone (above) is not."""
+    """The mask is dsa_topk_mask's: the variant says sparse (and, as for any mask, the kernel
+    loads only the kept rows)."""
     q, k, v, mask = _inputs()
     gen = torch.Generator().manual_seed(5)
     # 8 indexer heads with positive weights: no key's score is a relu-zero tie at the k-th.
