@@ -134,8 +134,8 @@ def merge_projections(graph: torch.fx.Graph, single_devices: tuple[str, ...] = (
                 fp8_groups[_activation_key(node.args[0])].append((node, fp8))
     for members in fp8_groups.values():
         if declined is not None and (len(members) > 1 or members[0][0].meta["val"].device.type in single_devices):
-            declined.append((members[0][0], "the weight is FP8 that the model's code block-dequantises (codes "
-                                             "times a scale per 128 x 128 block), which merged_linear does not read"))
+            declined.append((members[0][0], "the weight is FP8 that the model's code block-dequantises (its codes "
+                                             "times a scale per block), which merged_linear does not read"))
     merged, singles = [], 0
     for members in groups.values():
         # Same dtype and reduction width: one GEMM; anything else stays as it is.
