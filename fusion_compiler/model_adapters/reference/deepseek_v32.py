@@ -22,13 +22,15 @@ FP8 GEMMs are simulated (dequantise, matmul in fp32): correct, not fast. Their w
 or with ``ReferenceConfig.fp8_weights`` DeepSeek's served format (the checkpoint's, HF's
 ``weight_block_size`` [128, 128]): e4m3 codes [N, K] and a fp32 ``<weight>_scale_inv``
 [ceil(N/128), ceil(K/128)], w ~ wq[n, k] * sw[n // 128, k // 128], quantised by ``build`` from
-the bf16 weights it draws (``quantize_weight``, HF's ``Fp8Quantize``). Each such GEMM is
+the bf16 weights it draws (HF's ``Fp8Quantize``, as ``ops/moe_experts_fp8.quantize_weight``
+writes it for the FP8 experts). Each such GEMM is
 
     y[t, n] = sum_kb (sum_{k in kb} xq[t, k] * wq[n, k]) * sx[t, kb] * sw[n // 128, kb]
 
 formed as the dequantised product in fp32 (``fp8_linear``), rounded to bf16. The attention and
-the top-k are plain torch too; they are not what the fusions target. Everything here is
-ordinary model code: nothing imports the compiler's ops.
+the top-k are plain torch too; they are not what the fusions target. Everything a step runs is
+ordinary model code: nothing in it calls the compiler's ops (the FP8 weights' quantiser runs once,
+at build time).
 """
 
 from __future__ import annotations
@@ -134,18 +136,6 @@ def weight_dequant(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) 
     n, k = weight.shape
     full = scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
     return weight.float() * full[:n, :k]
-
-
-def quantize_weight(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], fp32 [ceil(N/block), ceil(K/block)]), HF's ``Fp8Quantize``: per
-    block s = amax / 448 (an all-zero block 1), wq = e4m3(clamp(w / s, +-448))."""
-    n, k = weight.shape
-    padded = nn.functional.pad(weight.float(), (0, -k % block, 0, -n % block))
-    blocks = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # [N/b, b, K/b, b]
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    codes = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes.flatten(2).flatten(0, 1)[:n, :k].contiguous(), scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -423,7 +413,10 @@ def build(cfg: ReferenceConfig, device="cpu", seed: int = 0) -> ReferenceModel:
 @torch.no_grad()
 def quantize_fp8_weights_(model: nn.Module) -> nn.Module:
     """In place: each weight an ``fp8_linear`` reads (its module's ``fp8_linear_weights``) becomes
-    e4m3 codes, with its block scales in the buffer ``<weight>_scale_inv`` (``quantize_weight``)."""
+    e4m3 codes, with its block scales in the buffer ``<weight>_scale_inv`` (the FP8 experts' own
+    quantiser, HF's ``Fp8Quantize``; build time only, so no step calls it)."""
+    from fusion_compiler.ops.moe_experts_fp8 import quantize_weight
+
     for module in model.modules():
         for name in getattr(module, "fp8_linear_weights", ()):
             codes, scale = quantize_weight(getattr(module, name))

@@ -2,8 +2,9 @@
 
 - ``fp8_linear`` with block scales equals DeepSeek's FP8 GEMM contract written out per 128-block
   in float64; without them it is the bf16-weight formula, bit for bit.
-- ``quantize_weight`` (HF's ``Fp8Quantize``) round-trips within e4m3's rounding, all-zero blocks
-  scaled 1; ``build`` quantises the very weights the bf16 build draws.
+- the FP8 experts' ``quantize_weight`` (HF's ``Fp8Quantize``), which ``build`` uses, round-trips
+  through the reference's ``weight_dequant`` within e4m3's rounding, all-zero blocks scaled 1;
+  ``build`` quantises the very weights the bf16 build draws.
 - A 1-layer stack runs eagerly and under the fusion backend, and they agree (output, FP8 cache
   bytes); merge_projections leaves the block-dequantised weights alone and says why.
 """
@@ -17,6 +18,7 @@ import torch
 
 import fusion_compiler as fc
 from fusion_compiler.model_adapters.reference import deepseek_v32 as ref
+from fusion_compiler.ops.moe_experts_fp8 import quantize_weight
 from fusion_compiler.verify import relative_error
 from model_adapters.reference import test_decode_layers as decode_layers  # its eager-vs-fused bar
 
@@ -42,7 +44,7 @@ def test_fp8_linear_with_weight_scales_equals_the_block_contract(n, k, ue8m0):
     x = torch.randn(5, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen) * k**-0.5 * (1 + torch.rand(n, 1, generator=gen) * 8)  # blocks of unequal scale
     xq, sx = ref.act_quant(x, 128, ue8m0)
-    wq, sw = ref.quantize_weight(w)
+    wq, sw = quantize_weight(w)
     assert sw.shape == (-(-n // 128), k // 128)
     y, expected = ref.fp8_linear(xq, sx, wq, sw), _fp8_gemm_contract(xq, sx, wq, sw)
     assert y.dtype == torch.bfloat16 and y.shape == (5, n)
@@ -68,7 +70,7 @@ def test_quantize_weight_round_trips_within_e4m3_rounding():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(200, 320, generator=gen) * (1 + torch.rand(200, 1, generator=gen) * 8)
     w[:128, 128:256] = 0  # a whole block
-    wq, sw = ref.quantize_weight(w)
+    wq, sw = quantize_weight(w)
     assert wq.dtype == torch.float8_e4m3fn and wq.shape == (200, 320)
     assert sw.dtype == torch.float32 and sw.shape == (2, 3)  # ceil(200/128) x ceil(320/128)
     assert sw[0, 1] == 1 and not wq[:128, 128:256].float().any()
@@ -87,7 +89,7 @@ def test_fp8_build_quantises_the_weights_the_bf16_build_draws():
     fp8_state = fp8.state_dict()
     for name, value in bf16.state_dict().items():
         if name.removeprefix("layers.0.self_attn.") in FP8_WEIGHTS:
-            codes, scale = ref.quantize_weight(value)
+            codes, scale = quantize_weight(value)
             assert torch.equal(fp8_state[name].view(torch.uint8), codes.view(torch.uint8)), name
             assert torch.equal(fp8_state[f"{name}_scale_inv"], scale), name
         else:
@@ -100,12 +102,11 @@ def test_moe_decode_layer_build_honours_fp8_weights():
     from fusion_compiler.model_adapters.reference import deepseek_v32_decode_layer as layer
 
     cfg = dataclasses.replace(layer.TINY, attention=dataclasses.replace(layer.TINY.attention, fp8_weights=True))
-    model = layer.build(cfg, 1, experts="zeros")
+    model, bf16 = layer.build(cfg, 1, experts="zeros"), layer.build(layer.TINY, 1, experts="zeros")
     attn = model.layers[0].self_attn
     for name in FP8_WEIGHTS:
         owner, leaf = (attn.indexer, "wq_b") if name.startswith("indexer.") else (attn, name)
-        codes, scale = ref.quantize_weight(layer.build(layer.TINY, 1, experts="zeros").get_parameter(
-            f"layers.0.self_attn.{name}"))  # fmt: skip
+        codes, scale = quantize_weight(bf16.get_parameter(f"layers.0.self_attn.{name}"))
         assert getattr(owner, leaf).dtype == torch.float8_e4m3fn, name
         assert torch.equal(getattr(owner, f"{leaf}_scale_inv"), scale), name
         assert torch.equal(getattr(owner, leaf).view(torch.uint8), codes.view(torch.uint8)), name
