@@ -87,3 +87,25 @@ def test_step_timeline_splits_the_period_into_host_and_gpu_busy():
     timeline = bench.step_timeline(events, new_tokens=5)
     assert timeline == {"period_us": 100, "compiled_call_host_us": 30, "gpu_busy_us": 20.0, "gpu_busy_fraction": 0.2}
     assert bench.step_timeline([e for e in events if e.device_type != torch.autograd.DeviceType.CUDA], 5) == {}
+
+
+def test_isolated_argv_runs_one_mode_into_its_own_file():
+    argv = ["--model", "deepseek-v3.2", "--modes", "stock", "ours", "--isolate", "--batches", "1", "64",
+            "--out", "r.json", "--layers", "2"]  # fmt: skip
+    assert bench.isolated_argv(argv, "ours", "/t/ours.json") == [
+        "--model", "deepseek-v3.2", "--batches", "1", "64", "--layers", "2", "--modes", "ours", "--out", "/t/ours.json"
+    ]  # fmt: skip
+    assert bench.isolated_argv(["--isolate", "--modes=stock", "--model", "qwen3.5"], "stock", "o") == [
+        "--model", "qwen3.5", "--modes", "stock", "--out", "o"
+    ]  # fmt: skip
+
+
+def test_finish_compares_each_row_with_stock_of_its_batch(capsys):
+    rows = [{"mode": "stock", "batch": 1, "decode_tokens_per_s": 200.0, "logits_rel_err_by_step": [0.01, 0.05]},
+            {"mode": "ours", "batch": 1, "decode_tokens_per_s": 300.0, "logits_rel_err_by_step": [0.01, 0.2]},
+            {"mode": "ours", "error": "its process wrote no result (rc 1)"}]  # fmt: skip
+    result = bench.finish({"rows": rows}, None)
+    assert result["rows"][1]["vs_stock"] == 1.5
+    assert result["rows"][1]["steps_beyond_stock"] == 1 and result["rows"][1]["steps_over_2e-2"] == 1
+    assert "vs_stock" not in result["rows"][2]
+    assert "ERROR its process wrote no result" in capsys.readouterr().out
