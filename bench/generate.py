@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -391,9 +392,15 @@ def run_isolated(args, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             out = os.path.join(tmp, f"{mode}.json")
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), *isolated_argv(argv, mode, out)])
+            child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *isolated_argv(argv, mode, out)])
+            # A timeout's SIGTERM to this process ends the child too (it holds the GPU).
+            previous = signal.signal(signal.SIGTERM, lambda *_: (child.kill(), sys.exit(143)))
+            try:
+                returncode = child.wait()
+            finally:
+                signal.signal(signal.SIGTERM, previous)
             if not os.path.exists(out):
-                rows.append({"mode": mode, "error": f"its process wrote no result (rc {done.returncode})"})
+                rows.append({"mode": mode, "error": f"its process wrote no result (rc {returncode})"})
                 continue
             with open(out) as f:
                 part = json.load(f)

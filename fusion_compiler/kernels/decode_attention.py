@@ -22,9 +22,11 @@ H200 (132), at least 2 tiles a split, no empty split.
 ``skip_masked`` (the op's ``sparse_mask``, set by the pattern wherever there is a mask): each
 tile reads its mask first and loads no K / V row the mask rules out (bool False, additive
 -inf; a finfo.min entry is loaded, for the fully masked row below), so DeepSeek V3.2's top 2048
-of a 4096-token cache read half its bytes, and a static cache's unwritten tail is not read. Off, the K load does not wait on the mask load; with it, Triton 3.6
-still pipelines K / V through cp.async, but each predicate is a byte load of the mask (sm_90
-SASS: 72 more loads a tile, 128 -> 186 registers at DeepSeek's widths). Timed on the H100
+of a 4096-token cache read half its bytes; a tile ruled out whole (a static cache's unwritten
+tail) skips its MMAs and softmax step too, and costs its mask load only. Off, the K load does
+not wait on the mask load; with it, Triton 3.6 still pipelines K / V through cp.async, but each
+predicate is a byte load of the mask (sm_90 SASS: 72 more loads a tile, 128 -> 186 registers at
+DeepSeek's widths). Timed on the H100 before the whole-tile skip
 (bench/diagnostics/decode_attention_sparse.py): 1.25-1.56x where half the rows are masked,
 0.97-1.14x where none is.
 
@@ -137,6 +139,26 @@ def _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND: tl.constexpr, INF_RULES_OU
 
 
 @triton.jit
+def _kept_rows(q, k_base, v_base, s, valid, bias, scale, m_i, l_i, acc,
+               stride_ks, stride_kd, stride_vs, stride_vd,
+               D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+               MASK_KIND: tl.constexpr):  # fmt: skip
+    """A tile under ``SKIP_MASKED``: K / V loaded only at the rows the mask keeps."""
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                 mask=(d < D)[:, None] & valid[None, :], other=0.0)  # fmt: skip
+    x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+    if MASK_KIND == 2:
+        x = x + bias[None, :]
+    m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
+    vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
+                 mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
           stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
           D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
@@ -144,27 +166,30 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
     """One BLOCK_S tile of the online softmax; returns the new (m, l, acc)."""
     s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
     in_s = s < S
-    d = tl.arange(0, D_PAD)
-    dv = tl.arange(0, DV_PAD)
-    # SKIP_MASKED reads the mask first: a position it rules out (bool False, additive -inf) has
-    # weight exactly 0, so its K / V rows are not loaded. Otherwise K's load waits on nothing.
     if SKIP_MASKED:
+        # The mask first: a position it rules out (bool False, additive -inf) has weight exactly
+        # 0, so its K / V rows are not loaded, and a tile it rules out whole (a static cache's
+        # unwritten tail) costs its mask load only: no MMA, no softmax step.
         valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
-        rows = valid
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            m_i, l_i, acc = _kept_rows(q, k_base, v_base, s, valid, bias, scale, m_i, l_i, acc,
+                                       stride_ks, stride_kd, stride_vs, stride_vd,
+                                       D, DV, D_PAD, DV_PAD, MASK_KIND)  # fmt: skip
     else:
-        rows = in_s
-    kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                 mask=(d < D)[:, None] & rows[None, :], other=0.0)  # fmt: skip
-    x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-    if not SKIP_MASKED:
+        # K's load waits on nothing.
+        d = tl.arange(0, D_PAD)
+        dv = tl.arange(0, DV_PAD)
+        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
+                     mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
+        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
         valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, False)
-    if MASK_KIND == 2:
-        x = x + bias[None, :]
-    m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
-    vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
-                 mask=rows[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
-    return m_new, l_i, acc
+        if MASK_KIND == 2:
+            x = x + bias[None, :]
+        m_i, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
+        vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
+                     mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
+    return m_i, l_i, acc
 
 
 @triton.jit

@@ -147,6 +147,32 @@ def test_skip_masked_loads_no_row_the_mask_rules_out(mask_kind, splits):
             assert bool(torch.isnan(out).all())
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "add_inf"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_skip_masked_passes_over_whole_tiles_the_mask_rules_out(mask_kind, splits):
+    """Tiles of 16 over 80 positions: row 0 keeps positions in its last tile only (every tile
+    before it ruled out whole: the softmax state must come through them empty), row 1 in its
+    first tile only (a static cache's tail), row 2 one position in the middle tile. The rows
+    ruled out are NaN; with ``skip_masked`` the output equals the clean reference."""
+    c = _case(batch=3, kv_heads=2, group=2, seq=80, d=24, dv=40, dtype=torch.bfloat16, mask="bool")
+    q, k, v, _, scale = _inputs(c)
+    keep = torch.zeros(3, 80, dtype=torch.bool)
+    keep[0, 70:75] = True
+    keep[1, 0:9] = True
+    keep[2, 40] = True
+    keep = keep.to(DEVICE)
+    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(c["dtype"])
+    mask = mask[:, None, None, :]
+    ref = decode_attention_reference(q, k, v, mask, scale)
+    ruled_out = ~keep[:, None, :, None]
+    k_poisoned, v_poisoned = k.masked_fill(ruled_out, float("nan")), v.masked_fill(ruled_out, float("nan"))
+    buf, out = poisoned(tuple(ref.shape), c["dtype"])
+    K.decode_attention_fwd(q, k_poisoned, v_poisoned, mask, scale, out, splits=splits, block_s=16, skip_masked=True)
+    assert_guards_untouched(buf)
+    assert not bool(torch.isnan(out).any())
+    assert relative_error(out, ref) < TOLERANCE[c["dtype"]]
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fully_masked_rows_are_nan_like_sdpa(splits):
     """Batch 1's row is masked everywhere (bool False / additive -inf): NaN there, as in the
