@@ -117,6 +117,28 @@ def test_kernel_matches_reference_random(c, splits, block_s, skip_masked):
     _run(c, splits, block_s, skip_masked)
 
 
+def _kept_rows_case(keep: torch.Tensor, mask_kind: str):
+    """(q, k, v NaN at the rows ``keep`` [B, S] rules out, the mask, scale, the reference over
+    the clean cache, the dtype): bf16, 2 kv heads of 2 query heads, D 24, Dv 40."""
+    batch, seq = keep.shape
+    c = _case(batch=batch, kv_heads=2, group=2, seq=seq, d=24, dv=40, dtype=torch.bfloat16, mask="bool")
+    q, k, v, _, scale = _inputs(c)
+    keep = keep.to(DEVICE)
+    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(c["dtype"])
+    mask = mask[:, None, None, :]
+    ref = decode_attention_reference(q, k, v, mask, scale)
+    ruled_out = ~keep[:, None, :, None]
+    return q, k.masked_fill(ruled_out, float("nan")), v.masked_fill(ruled_out, float("nan")), mask, scale, ref, c["dtype"]
+
+
+def _run_skipping(case, splits: int, skip: bool = True) -> torch.Tensor:
+    q, k, v, mask, scale, ref, dtype = case
+    buf, out = poisoned(tuple(ref.shape), dtype)
+    K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=16, skip_masked=skip)
+    assert_guards_untouched(buf)
+    return out
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "add_inf"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_skip_masked_loads_no_row_the_mask_rules_out(mask_kind, splits):
@@ -124,27 +146,15 @@ def test_skip_masked_loads_no_row_the_mask_rules_out(mask_kind, splits):
     ``skip_masked`` the kernel never loads them, so the output equals the reference over the
     clean cache; without it they reach the output (masked scores get weight 0, but 0 * NaN
     rows of V are NaN), so the poison does reach the kernel."""
-    c = _case(batch=2, kv_heads=2, group=2, seq=70, d=24, dv=40, dtype=torch.bfloat16, mask="bool")
-    q, k, v, _, scale = _inputs(c)
     gen = torch.Generator().manual_seed(11)
     keep = torch.zeros(2, 70, dtype=torch.bool)
     for row, length in enumerate((70, 45)):  # row 1: a cache written up to 45 of 70
         keep[row, torch.randperm(length, generator=gen)[:20]] = True  # top 20 of the written
-    keep = keep.to(DEVICE)
-    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(c["dtype"])
-    mask = mask[:, None, None, :]
-    ref = decode_attention_reference(q, k, v, mask, scale)
-    ruled_out = ~keep[:, None, :, None]
-    k_poisoned, v_poisoned = k.masked_fill(ruled_out, float("nan")), v.masked_fill(ruled_out, float("nan"))
-    for skip in (True, False):
-        buf, out = poisoned(tuple(ref.shape), c["dtype"])
-        K.decode_attention_fwd(q, k_poisoned, v_poisoned, mask, scale, out, splits=splits, block_s=16, skip_masked=skip)
-        assert_guards_untouched(buf)
-        if skip:
-            assert not bool(torch.isnan(out).any())
-            assert relative_error(out, ref) < TOLERANCE[c["dtype"]]
-        else:
-            assert bool(torch.isnan(out).all())
+    case = _kept_rows_case(keep, mask_kind)
+    out = _run_skipping(case, splits)
+    assert not bool(torch.isnan(out).any())
+    assert relative_error(out, case[5]) < TOLERANCE[case[6]]
+    assert bool(torch.isnan(_run_skipping(case, splits, skip=False)).all())
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "add_inf"])
@@ -154,23 +164,14 @@ def test_skip_masked_passes_over_whole_tiles_the_mask_rules_out(mask_kind, split
     before it ruled out whole: the softmax state must come through them empty), row 1 in its
     first tile only (a static cache's tail), row 2 one position in the middle tile. The rows
     ruled out are NaN; with ``skip_masked`` the output equals the clean reference."""
-    c = _case(batch=3, kv_heads=2, group=2, seq=80, d=24, dv=40, dtype=torch.bfloat16, mask="bool")
-    q, k, v, _, scale = _inputs(c)
     keep = torch.zeros(3, 80, dtype=torch.bool)
     keep[0, 70:75] = True
     keep[1, 0:9] = True
     keep[2, 40] = True
-    keep = keep.to(DEVICE)
-    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf")).to(c["dtype"])
-    mask = mask[:, None, None, :]
-    ref = decode_attention_reference(q, k, v, mask, scale)
-    ruled_out = ~keep[:, None, :, None]
-    k_poisoned, v_poisoned = k.masked_fill(ruled_out, float("nan")), v.masked_fill(ruled_out, float("nan"))
-    buf, out = poisoned(tuple(ref.shape), c["dtype"])
-    K.decode_attention_fwd(q, k_poisoned, v_poisoned, mask, scale, out, splits=splits, block_s=16, skip_masked=True)
-    assert_guards_untouched(buf)
+    case = _kept_rows_case(keep, mask_kind)
+    out = _run_skipping(case, splits)
     assert not bool(torch.isnan(out).any())
-    assert relative_error(out, ref) < TOLERANCE[c["dtype"]]
+    assert relative_error(out, case[5]) < TOLERANCE[case[6]]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
