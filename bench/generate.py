@@ -1,5 +1,6 @@
 """HF ``generate()`` at real widths, the user's path: eager, stock ``torch.compile(mode=
-"reduce-overhead")`` and fusion_compiler through each compile route, side by side in one process.
+"reduce-overhead")`` and fusion_compiler through each compile route, side by side in one process
+(or a process each: ``--isolate``, below).
 
 What a user runs: an HF ``*ForCausalLM`` (random weights, real widths and vocabulary, HF's default
 experts implementation), ``cache_implementation="static"``, greedy ``generate()``. Modes:
