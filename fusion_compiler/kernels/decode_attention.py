@@ -139,21 +139,25 @@ def _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND: tl.constexpr, INF_RULES_OU
 
 
 @triton.jit
-def _kept_rows(q, k_base, v_base, s, valid, bias, scale, m_i, l_i, acc,
-               stride_ks, stride_kd, stride_vs, stride_vd,
+def _rows_step(q, k_base, v_base, m_base, s, in_s, rows, valid, bias, scale, m_i, l_i, acc,
+               stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-               MASK_KIND: tl.constexpr):  # fmt: skip
-    """A tile under ``SKIP_MASKED``: K / V loaded only at the rows the mask keeps."""
+               MASK_KIND: tl.constexpr, MASK_AFTER_K: tl.constexpr):  # fmt: skip
+    """One tile's online-softmax step with K / V loaded at ``rows``. ``MASK_AFTER_K``: the mask
+    is read here, after K's load (which then waits on nothing); else ``valid`` and ``bias`` are
+    the caller's, read before."""
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
     kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                 mask=(d < D)[:, None] & valid[None, :], other=0.0)  # fmt: skip
+                 mask=(d < D)[:, None] & rows[None, :], other=0.0)  # fmt: skip
     x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
+    if MASK_AFTER_K:
+        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, False)
     if MASK_KIND == 2:
         x = x + bias[None, :]
     m_new, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
     vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
-                 mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
+                 mask=rows[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
     return m_new, l_i, acc
 
@@ -172,23 +176,13 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
         # unwritten tail) costs its mask load only: no MMA, no softmax step.
         valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            m_i, l_i, acc = _kept_rows(q, k_base, v_base, s, valid, bias, scale, m_i, l_i, acc,
-                                       stride_ks, stride_kd, stride_vs, stride_vd,
-                                       D, DV, D_PAD, DV_PAD, MASK_KIND)  # fmt: skip
+            m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, valid, valid, bias, scale, m_i, l_i, acc,
+                                       stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                       D, DV, D_PAD, DV_PAD, MASK_KIND, False)  # fmt: skip
     else:
-        # K's load waits on nothing.
-        d = tl.arange(0, D_PAD)
-        dv = tl.arange(0, DV_PAD)
-        kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
-                     mask=(d < D)[:, None] & in_s[None, :], other=0.0)  # fmt: skip
-        x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, False)
-        if MASK_KIND == 2:
-            x = x + bias[None, :]
-        m_i, alpha, p, l_i = softmax_step(x, valid, m_i, l_i)
-        vt = tl.load(v_base + s[:, None] * stride_vs + dv[None, :] * stride_vd,
-                     mask=in_s[:, None] & (dv < DV)[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + mma(p_operand(p, vt.dtype), vt)
+        m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, in_s, in_s, 0.0, scale, m_i, l_i, acc,
+                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                   D, DV, D_PAD, DV_PAD, MASK_KIND, True)  # fmt: skip
     return m_i, l_i, acc
 
 
