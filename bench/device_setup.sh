@@ -1,6 +1,6 @@
 # Sourced by bench/gpu_run.sh and bench/diagnostics/*_gpu_run.sh: strict shell, an editable
 # install of this checkout (the device is offline: no deps, no build isolation), one line of
-# versions, and inspect_one.
+# versions, inspect_one and generate_isolated.
 # Usage: source bench/device_setup.sh DIR   (DIR receives install.log and versions.log)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -17,4 +17,12 @@ GPU=${GPU:-gpu}
 inspect_one() {
   timeout "$2" fusion-compiler inspect "$1" --device cuda --json "$SETUP_DIR/inspect_$1_real_cuda.json" > "$SETUP_DIR/inspect_$1.log" 2>&1
   echo "inspect $1: rc=$?"; grep -v -i warn "$SETUP_DIR/inspect_$1.log" | cut -c1-300 | tail -n 14
+}
+
+# generate_isolated MODEL END: bench/generate.py at batch 1, stock and ours each in a fresh process
+# (--isolate), into DIR until second END of the call, then the log's table.
+generate_isolated() {
+  timeout $(($2 - SECONDS)) python3 bench/generate.py --model "$1" --batches 1 --modes stock ours --isolate \
+    --repeats 5 --out "$SETUP_DIR/generate_${GPU}_$1_isolated_${FUSION_COMMIT:0:7}.json" > "$SETUP_DIR/generate_$1.log" 2>&1
+  echo "$1: rc=$? at ${SECONDS}s"; grep -E "^(mode|stock|ours) " "$SETUP_DIR/generate_$1.log" | tail -n 3 | cut -c1-200
 }

@@ -16,12 +16,8 @@ timeout $((150 - SECONDS)) python3 bench/decode.py --models deepseek-v3.2 --sour
   --batches 64 --modes inductor_graph fusion_compiler \
   --out "$R/decode_${GPU}_hf_deepseek_experts_computed_${FUSION_COMMIT:0:7}.json" > "$R/decode.log" 2>&1
 echo "decode: rc=$? at ${SECONDS}s"; grep -E "^ +hf deepseek.*B=|seconds" "$R/decode.log" | cut -c1-400
-for spec in deepseek-v3.2:290 minimax-m2.5:390; do
-  model=${spec%%:*} end=${spec##*:}
-  timeout $((end - SECONDS)) python3 bench/generate.py --model "$model" --batches 1 --modes stock ours --isolate \
-    --repeats 5 --out "$R/generate_${GPU}_${model}_isolated_${FUSION_COMMIT:0:7}.json" > "$R/generate_$model.log" 2>&1
-  echo "$model: rc=$? at ${SECONDS}s"; grep -E "^(mode|stock|ours) " "$R/generate_$model.log" | tail -n 3 | cut -c1-200
-done
+generate_isolated deepseek-v3.2 290
+generate_isolated minimax-m2.5 390
 timeout $((440 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
   tests/gpu/test_decode_attention_gpu.py > "$R/tests.log" 2>&1
 echo "tests: rc=$? at ${SECONDS}s"; grep -E "passed|failed|^FAILED|^E " "$R/tests.log" | head -n 12

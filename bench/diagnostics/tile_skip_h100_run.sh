@@ -13,12 +13,8 @@ source bench/device_setup.sh "$R"
 timeout $((120 - SECONDS)) python3 bench/diagnostics/decode_attention_sparse.py \
   --out "$R/decode_attention_sparse_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/sparse.log" 2>&1
 echo "sparse: rc=$? at ${SECONDS}s"; grep -v -i warn "$R/sparse.log" | cut -c1-200 | tail -n 24
-for spec in minimax-m2.5:250 qwen3.5:370; do
-  model=${spec%%:*} end=${spec##*:}
-  timeout $((end - SECONDS)) python3 bench/generate.py --model "$model" --batches 1 --modes stock ours --isolate \
-    --repeats 5 --out "$R/generate_${GPU}_${model}_isolated_${FUSION_COMMIT:0:7}.json" > "$R/generate_$model.log" 2>&1
-  echo "$model: rc=$? at ${SECONDS}s"; grep -E "^(mode|stock|ours) " "$R/generate_$model.log" | tail -n 3 | cut -c1-200
-done
+generate_isolated minimax-m2.5 250
+generate_isolated qwen3.5 370
 timeout $((420 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
   tests/gpu/test_decode_attention_gpu.py > "$R/tests.log" 2>&1
 echo "tests: rc=$? at ${SECONDS}s"; grep -E "passed|failed|^FAILED|^E " "$R/tests.log" | head -n 12
