@@ -370,7 +370,7 @@ def isolated_argv(argv: list[str], mode: str, out: str) -> list[str]:
     values), then ``--modes MODE --out OUT``."""
     kept, skipping = [], False
     for arg in argv:
-        if arg in ("--isolate",):
+        if arg == "--isolate":
             skipping = False
             continue
         if arg in ("--modes", "--out"):
