@@ -268,6 +268,15 @@ def step_timeline(events, new_tokens: int) -> dict:
             "gpu_busy_us": busy / periods, "gpu_busy_fraction": busy / (hi - lo)}  # fmt: skip
 
 
+def profiled_generate(runner: Runner, mode: str, batch: int):
+    """One ``generate()`` under the torch profiler (CPU and CUDA activity); its events."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        runner.generate(mode, batch)
+        runner.sync()
+    return prof.events()
+
+
 def our_graph_stats() -> list[dict]:
     backend = getattr(fc, "last_backend", lambda: None)()
     return [g.report() for g in getattr(backend, "step_graphs", [])]
@@ -291,11 +300,7 @@ def run_case(runner: Runner, mode: str, batch: int, reference: dict, repeats: in
         row["generate_s"], row["first_token_s"] = seconds_all, seconds_first
         row["decode_tokens_per_s"] = decode_tokens_per_second(batch, runner.new_tokens, seconds_all, seconds_first)
         if runner.device == "cuda" and mode != "eager":
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-                runner.generate(mode, batch)
-                runner.sync()
-            events = prof.events()
+            events = profiled_generate(runner, mode, batch)
             row["profiled_calls"] = split_calls(region_launches(events), runner.new_tokens)
             row["step_timeline"] = step_timeline(events, runner.new_tokens)
         if mode.startswith("ours"):

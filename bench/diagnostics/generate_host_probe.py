@@ -94,16 +94,6 @@ def probe(runner: gen.Runner, mode: str, label: str, repeats: int) -> dict:
     return row
 
 
-def torch_profile(runner: gen.Runner, mode: str) -> None:
-    """One profiled generate(), as bench/generate.py profiles each compiled mode."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if runner.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities):
-        runner.generate(mode, 1)
-        runner.sync()
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="deepseek-v3.2")
@@ -138,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         runner.generate(mode, 1, 1)
         rows.append(probe(runner, mode, mode, args.repeats))
         result["profiles"][mode] = top_functions(runner, mode)
-        torch_profile(runner, mode)
+        if runner.device == "cuda":  # as bench/generate.py profiles each compiled mode
+            gen.profiled_generate(runner, mode, 1)
         rows.append(probe(runner, mode, f"{mode}_after_profile", args.repeats))
         save()
     rows.append(probe(runner, "eager", "eager_end", args.repeats))
