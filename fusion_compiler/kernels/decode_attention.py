@@ -69,13 +69,15 @@ import triton.language as tl
 
 from ._device import INTERPRETER, downcast, launch_on_device, mma, mma_pad, round_trip, upcast
 
-KERNEL_VERSION = "decode_attention-2"
+KERNEL_VERSION = "decode_attention-3"
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Programs to aim for: ~1 per SM of an H200 (132 SMs); each split takes at least MIN_TILES tiles.
 TARGET_PROGRAMS = 132
 MIN_TILES_PER_SPLIT = 2
 BLOCK_S = 64
+# Mask positions one step of the skip's tile-range scan reads.
+_SCAN = 1024
 # Splits the combine kernel folds per step.
 _SPLIT_BLOCK = 16
 _NUM_WARPS = 4
@@ -172,18 +174,47 @@ def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
     in_s = s < S
     if SKIP_MASKED:
         # The mask first: a position it rules out (bool False, additive -inf) has weight exactly
-        # 0, so its K / V rows are not loaded, and a tile it rules out whole (a static cache's
-        # unwritten tail) costs its mask load only: no MMA, no softmax step.
+        # 0, so its K / V rows are not loaded.
         valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, valid, valid, bias, scale, m_i, l_i, acc,
-                                       stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                       D, DV, D_PAD, DV_PAD, MASK_KIND, False)  # fmt: skip
+        m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, valid, valid, bias, scale, m_i, l_i, acc,
+                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                   D, DV, D_PAD, DV_PAD, MASK_KIND, False)  # fmt: skip
     else:
         m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, in_s, in_s, 0.0, scale, m_i, l_i, acc,
                                    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                    D, DV, D_PAD, DV_PAD, MASK_KIND, True)  # fmt: skip
     return m_i, l_i, acc
+
+
+@triton.jit
+def _kept_tiles(m_base, first, count, S, scans, stride_ms, MASK_KIND: tl.constexpr, BLOCK_S: tl.constexpr,
+                SCAN: tl.constexpr, INTERP_SCANS: tl.constexpr):  # fmt: skip
+    """[lo, hi): the tiles of the split's ``count`` from ``first`` that lie between the first and
+    the last position the mask keeps (lo == hi where it keeps none), read ``SCAN`` positions at a
+    time in ``scans`` steps. The tiles outside are ruled out whole (a static cache's unwritten
+    tail): the tile loop does not visit them, so it keeps no branch that would stop Triton from
+    pipelining its loads."""
+    start = first * BLOCK_S
+    end = tl.minimum((first + count) * BLOCK_S, S)
+    j = tl.arange(0, SCAN)
+    lo = tl.full([SCAN], 2147483647, tl.int32)
+    hi = tl.full([SCAN], -1, tl.int32)
+    if INTERPRETER:
+        for c in range(0, INTERP_SCANS):
+            s = start + c * SCAN + j
+            valid, _ = _mask_tile(m_base, s, s < end, stride_ms, MASK_KIND, True)
+            lo = tl.minimum(lo, tl.where(valid, s, 2147483647))
+            hi = tl.maximum(hi, tl.where(valid, s, -1))
+    else:
+        for c in range(0, scans):
+            s = start + c * SCAN + j
+            valid, _ = _mask_tile(m_base, s, s < end, stride_ms, MASK_KIND, True)
+            lo = tl.minimum(lo, tl.where(valid, s, 2147483647))
+            hi = tl.maximum(hi, tl.where(valid, s, -1))
+    last = tl.max(hi, axis=0)
+    tile_lo = tl.where(last >= 0, tl.min(lo, axis=0) // BLOCK_S, first)
+    tile_hi = tl.where(last >= 0, last // BLOCK_S + 1, first)
+    return tile_lo, tile_hi
 
 
 @triton.jit
@@ -228,7 +259,7 @@ def program_end(acc, m_i, l_i, b, heads, OUT, WS_ACC, WS_ML, stride_ob, stride_o
 @triton.jit
 def _split_kernel(
     Q, K, V, MASK, OUT, WS_ACC, WS_ML,
-    S, tiles_per_split, scale,
+    S, tiles_per_split, scans, scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -239,7 +270,9 @@ def _split_kernel(
     MASK_KIND: tl.constexpr,  # 0 none, 1 bool (uint8 view), 2 additive float
     SKIP_MASKED: tl.constexpr,  # load no K / V row the mask rules out (read the mask first)
     SPLIT: tl.constexpr,  # write (m, l, acc) to the workspace, else out directly
+    SCAN: tl.constexpr,  # mask positions a step of _kept_tiles reads (SKIP_MASKED)
     INTERP_TILES: tl.constexpr,  # tiles_per_split, under the interpreter only
+    INTERP_SCANS: tl.constexpr,  # scans, under the interpreter only
 ):  # fmt: skip
     b, kvh, heads, q, m_i, l_i, acc = program_start(Q, stride_qb, stride_qh, stride_qd,
                                                     H_KV, G, D, G_PAD, D_PAD, DV_PAD)  # fmt: skip
@@ -247,15 +280,21 @@ def _split_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh
     m_base = MASK + b * stride_mb
     first = tl.program_id(1) * tiles_per_split
-    # Only the last split can run past S (masked: its loads move no bytes).
+    # Only the last split can run past S (masked: its loads move no bytes). With SKIP_MASKED the
+    # loop runs over the tiles between the first and the last position the mask keeps.
+    lo, hi = first, first + tiles_per_split
+    if SKIP_MASKED:
+        lo, hi = _kept_tiles(m_base, first, tiles_per_split, S, scans, stride_ms, MASK_KIND, BLOCK_S, SCAN,
+                             INTERP_SCANS)  # fmt: skip
     if INTERPRETER:
         for i in range(0, INTERP_TILES):
-            m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
-                                  stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                  D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND, SKIP_MASKED)  # fmt: skip
+            if (first + i >= lo) & (first + i < hi):
+                m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
+                                      stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+                                      D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND, SKIP_MASKED)  # fmt: skip
     else:
-        for i in range(0, tiles_per_split):
-            m_i, l_i, acc = _tile(q, k_base, v_base, m_base, first + i, S, scale, m_i, l_i, acc,
+        for t in range(lo, hi):
+            m_i, l_i, acc = _tile(q, k_base, v_base, m_base, t, S, scale, m_i, l_i, acc,
                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
                                   D, DV, D_PAD, DV_PAD, BLOCK_S, MASK_KIND, SKIP_MASKED)  # fmt: skip
     program_end(acc, m_i, l_i, b, heads, OUT, WS_ACC, WS_ML, stride_ob, stride_oh, stride_od,
@@ -404,11 +443,13 @@ def decode_attention_fwd(
     splits, per_split = split_plan(batch, kv_heads, seq_len, block_s, splits)
     split = splits > 1
     ws_acc, ws_ml = split_workspace(batch * heads, splits, dv, out)
+    skip = bool(skip_masked) and mask_kind != MASK_NONE
+    scans = triton.cdiv(per_split * block_s, _SCAN) if skip else 0
 
     def _launch():
         _split_kernel[(batch * kv_heads, splits)](
             q, k, v, m_ptr, out, ws_acc, ws_ml,
-            seq_len, per_split, float(scale),
+            seq_len, per_split, scans, float(scale),
             q.stride(0), q.stride(1), q.stride(3),
             k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
@@ -416,8 +457,8 @@ def decode_attention_fwd(
             out.stride(0), out.stride(1), out.stride(3),
             H_KV=kv_heads, G=group, D=d, DV=dv,
             G_PAD=mma_pad(group), D_PAD=mma_pad(d), DV_PAD=mma_pad(dv), BLOCK_S=block_s, MASK_KIND=mask_kind,
-            SKIP_MASKED=bool(skip_masked) and mask_kind != MASK_NONE, SPLIT=split,
-            INTERP_TILES=per_split if INTERPRETER else 0,
+            SKIP_MASKED=skip, SPLIT=split, SCAN=_SCAN,
+            INTERP_TILES=per_split if INTERPRETER else 0, INTERP_SCANS=scans if INTERPRETER else 0,
             num_warps=_NUM_WARPS,
         )  # fmt: skip
         if split:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernel_fixtures import DEVICE, assert_guards_untouched, poisoned, skip_unless_kernels_can_run
 
@@ -174,6 +176,41 @@ def test_skip_masked_passes_over_whole_tiles_the_mask_rules_out(mask_kind, split
     assert relative_error(out, case[5]) < TOLERANCE[case[6]]
 
 
+@triton.jit
+def _kept_tiles_probe(MASK, OUT, S, count, scans, MASK_KIND: tl.constexpr, BLOCK_S: tl.constexpr,
+                      SCAN: tl.constexpr, INTERP_SCANS: tl.constexpr):  # fmt: skip
+    split = tl.program_id(0)
+    lo, hi = K._kept_tiles(MASK, split * count, count, S, scans, 1, MASK_KIND, BLOCK_S, SCAN, INTERP_SCANS)
+    tl.store(OUT + split * 2, lo)
+    tl.store(OUT + split * 2 + 1, hi)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "add_inf", "add_min"])
+def test_skip_loop_runs_only_the_tiles_between_the_first_and_last_kept_position(mask_kind):
+    """The skip's tile loop runs [lo, hi) of each split (``_kept_tiles``), read 16 mask positions
+    a step here so a split takes several steps: 100 positions in tiles of 8, 3 splits of 5 tiles
+    (the last one past S). A tile with no kept position outside that range is never visited; an
+    empty split gets lo == hi; HF's ``finfo.min`` keeps its positions (they are loaded)."""
+    seq, block, count, scan = 100, 8, 5, 16
+    keep = torch.zeros(seq, dtype=torch.bool)
+    keep[[13, 17, 33]] = True  # split 0: tiles 1..2; split 1 (tiles 5-9, positions 40-79): none
+    keep[[83, 99]] = True  # split 2: tiles 10..12
+    if mask_kind == "bool":
+        mask = keep.view(torch.uint8)
+    else:
+        ruled_out = float("-inf") if mask_kind == "add_inf" else torch.finfo(torch.bfloat16).min
+        mask = torch.where(keep, 0.0, ruled_out).to(torch.bfloat16)
+    splits, scans = 3, triton.cdiv(count * block, scan)
+    out = torch.full((splits * 2,), -7, dtype=torch.int32, device=DEVICE)
+    _kept_tiles_probe[(splits,)](mask.to(DEVICE), out, seq, count, scans,
+                                 MASK_KIND=K.MASK_BOOL if mask_kind == "bool" else K.MASK_ADD, BLOCK_S=block,
+                                 SCAN=scan, INTERP_SCANS=scans)  # fmt: skip
+    if mask_kind == "add_min":  # finfo.min is kept: every tile of every split is visited
+        assert out.view(splits, 2).tolist() == [[0, 5], [5, 10], [10, 13]]
+    else:
+        assert out.view(splits, 2).tolist() == [[1, 5], [5, 5], [10, 13]]
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fully_masked_rows_are_nan_like_sdpa(splits):
     """Batch 1's row is masked everywhere (bool False / additive -inf): NaN there, as in the
@@ -218,4 +255,4 @@ def test_split_rule_depends_on_shapes_only():
 
 
 def test_kernel_version_registered():
-    assert KERNEL_VERSIONS["decode_attention"] == K.KERNEL_VERSION == "decode_attention-2"
+    assert KERNEL_VERSIONS["decode_attention"] == K.KERNEL_VERSION == "decode_attention-3"
