@@ -20,15 +20,17 @@ them. The split count depends on shapes only (``num_splits``): about one program
 H200 (132), at least 2 tiles a split, no empty split.
 
 ``skip_masked`` (the op's ``sparse_mask``, set by the pattern wherever there is a mask): each
-tile reads its mask first and loads no K / V row the mask rules out (bool False, additive
--inf; a finfo.min entry is loaded, for the fully masked row below), so DeepSeek V3.2's top 2048
-of a 4096-token cache read half its bytes; a tile ruled out whole (a static cache's unwritten
-tail) skips its MMAs and softmax step too, and costs its mask load only. Off, the K load does
-not wait on the mask load; with it, Triton 3.6 still pipelines K / V through cp.async, but each
-predicate is a byte load of the mask (sm_90 SASS: 72 more loads a tile, 128 -> 186 registers at
-DeepSeek's widths). Timed on the H100 before the whole-tile skip
-(bench/diagnostics/decode_attention_sparse.py): 1.25-1.56x where half the rows are masked,
-0.97-1.14x where none is.
+split program first scans its share of the mask for the first and last position it keeps
+(``_kept_tiles``) and walks only the tiles between them, so a static cache's unwritten tail is
+never visited; inside that range each tile reads its mask first and loads no K / V row the mask
+rules out (bool False, additive -inf; a finfo.min entry is loaded, for the fully masked row
+below), so DeepSeek V3.2's top 2048 of a 4096-token cache read half its bytes. The range is the
+loop's bounds, not a branch in it: a per-tile branch kept Triton 3.6 from pipelining the K / V
+loads (bench/NOTES.md section 6). Off, the K load does not wait on the mask load; with it, each
+K / V predicate is a byte load of the mask. Timed on the H100, kernel alone
+(bench/diagnostics/decode_attention_sparse.py, S 4096): 1.45-1.47x where DSA's top-k keeps half
+the rows, 1.15-1.99x where half the rows are a cache's unwritten tail, 0.94-1.14x where none is
+masked.
 
 Fully masked rows: every split has m = -inf, l = 0, so the result is 0 / 0 = NaN, like
 ``scaled_dot_product_attention``'s. A ``finfo.min`` additive mask (HF's) is added in natural
