@@ -28,13 +28,14 @@ values. HF's: a ``StaticCache`` of
 ``--context`` slots, prefilled with 16 tokens; each call writes one more slot, and every mode
 starts from the restored prefill. HF's attention reads, masked, every slot of a static cache each
 step, and so do eager and stock Inductor: their attention bytes are those of the full context.
-Ours does not: decode_attention loads no K / V row the mask rules out and skips a tile ruled out
-whole, so on these stacks it reads the 17 written rows, as it would for a user whose static
-cache is longer than the text so far. What a full cache costs ours is the kernel alone in
-``bench/diagnostics/decode_attention_sparse.py`` (its ``all`` rows: nothing masked; ``topk``:
-DSA's 2048 of 4096). The floor counts the whole cache. Every mode runs on the
-same input tensors (restored in place between modes, so graphs keep their addresses) and is
-compared with eager's output (and, on ours, the caches and states it wrote): ``vs_eager``.
+Ours does not: decode_attention loads no K / V row the mask rules out and does not visit the
+tiles past the last position it keeps, so on these stacks it reads the 17 written rows, as it
+would for a user whose static cache is longer than the text so far. What a full cache costs
+ours is the kernel alone in ``bench/diagnostics/decode_attention_sparse.py`` (its ``all``
+rows: nothing masked; ``topk``: DSA's 2048 of 4096). The floor counts the whole cache. Every
+mode runs on the same input tensors (restored in place between modes, so graphs keep their
+addresses) and is compared with eager's output (and, on ours, the caches and states it
+wrote): ``vs_eager``.
 
 How far from eager is right. On ours, eager also runs once more with every element of the
 hidden input changed in its last bit (``last_bit_noise`` in the eager row): a compiled mode's
