@@ -211,10 +211,12 @@ def test_skip_loop_runs_only_the_tiles_between_the_first_and_last_kept_position(
         assert out.view(splits, 2).tolist() == [[1, 5], [5, 5], [10, 13]]
 
 
+@pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_fully_masked_rows_are_nan_like_sdpa(splits):
+def test_fully_masked_rows_are_nan_like_sdpa(splits, skip):
     """Batch 1's row is masked everywhere (bool False / additive -inf): NaN there, as in the
-    reference and sdpa; the other batches' rows are unaffected."""
+    reference and sdpa; the other batches' rows are unaffected. With ``skip_masked`` that row's
+    programs visit no tile at all."""
     c = _case(batch=3, seq=40, dtype=torch.float32)
     q, k, v, _, scale = _inputs(c)
     keep = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)
@@ -222,7 +224,7 @@ def test_fully_masked_rows_are_nan_like_sdpa(splits):
     for mask in (keep[:, None, None, :], torch.where(keep, 0.0, float("-inf"))[:, None, None, :]):
         ref = decode_attention_reference(q, k, v, mask, scale)
         out = torch.full_like(ref, float("nan"))
-        K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=16)
+        K.decode_attention_fwd(q, k, v, mask, scale, out, splits=splits, block_s=16, skip_masked=skip)
         assert bool(torch.isnan(out[1]).all()) and bool(torch.isnan(ref[1]).all())
         assert not bool(torch.isnan(out[[0, 2]]).any())
         assert relative_error(out, ref) < 1e-5
