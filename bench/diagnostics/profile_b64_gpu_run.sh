@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where batch 64's microseconds go in the layers short of issue 27's bars, ours against stock
 # Inductor + graph, per kernel name (bench/diagnostics/profile_step.py). H200 for DeepSeek (its
-# 2-layer stacks need more than 80 GB). Each named profile gets up to 270 s, in the order given:
+# 2-layer stacks need more than 80 GB). Each named profile gets up to 290 s, in the order given
+# (two fit one call):
 #   hf_deepseek         DeepSeek V3.2's HF layer, experts computed: 1.25-1.27x (bar 1.5x); ours
-#                       spends ~4.4 ms a layer outside its experts, with the attention reading
+#                       spends ~4.3 ms a layer outside its experts, with the attention reading
 #                       only the written rows, and no profile says where;
 #   reference_deepseek  DeepSeek V3.2's reference layer, experts computed (plain torch
 #                       grouped_mm): 1.20x (bar 1.25x);
@@ -21,7 +22,7 @@ declare -A ARGS=(
 for name in "$@"; do
   [[ -n "${ARGS[$name]:-}" ]] || { echo "unknown profile $name (one of ${!ARGS[*]})"; exit 2; }
   # shellcheck disable=SC2086  # ARGS holds several words
-  timeout 270 python3 bench/diagnostics/profile_step.py --batch 64 ${ARGS[$name]} \
+  timeout 290 python3 bench/diagnostics/profile_step.py --batch 64 ${ARGS[$name]} \
     --out "$R/profile_step_${GPU}_${name}_b64_${FUSION_COMMIT:0:7}.json" > "$R/$name.log" 2>&1
   echo "$name: rc=$? at ${SECONDS}s"; grep -v -i "warn" "$R/$name.log" | cut -c1-200 | tail -n 60
 done
