@@ -18,9 +18,9 @@ Prefill (query length > 1) is not a site.
 
 With a mask, the op is told to read it first (``sparse_mask``) and loads no K / V row it rules
 out. HF's static cache masks its unwritten tail at every decode step but the last, and DeepSeek
-V3.2's sparse attention keeps ``index_topk`` of S positions; on the H100 the skip took DSA's
-top-k 1.44-1.56x faster, a half-masked tail 1.25-1.43x, and cost at most 3% where nothing was
-masked (bench/NOTES.md, section 6). Where the mask is a top-k mask (dsa_topk_mask's op, through
+V3.2's sparse attention keeps ``index_topk`` of S positions; on the H100 (kernel alone) the skip
+took DSA's top-k 1.45-1.47x faster, a half-masked tail 1.15-1.99x, and cost at most 6% where
+nothing was masked (bench/NOTES.md, section 6). Where the mask is a top-k mask (dsa_topk_mask's op, through
 views) the site's variant says ``sparse``.
 """
 
