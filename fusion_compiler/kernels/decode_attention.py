@@ -143,19 +143,26 @@ def _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND: tl.constexpr, INF_RULES_OU
 
 
 @triton.jit
-def _rows_step(q, k_base, v_base, m_base, s, in_s, rows, valid, bias, scale, m_i, l_i, acc,
-               stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-               D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-               MASK_KIND: tl.constexpr, MASK_AFTER_K: tl.constexpr):  # fmt: skip
-    """One tile's online-softmax step with K / V loaded at ``rows``. ``MASK_AFTER_K``: the mask
-    is read here, after K's load (which then waits on nothing); else ``valid`` and ``bias`` are
-    the caller's, read before."""
+def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
+          stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+          D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+          BLOCK_S: tl.constexpr, MASK_KIND: tl.constexpr, SKIP_MASKED: tl.constexpr):  # fmt: skip
+    """One BLOCK_S tile of the online softmax; returns the new (m, l, acc)."""
+    s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_s = s < S
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
+    # SKIP_MASKED reads the mask first: a position it rules out (bool False, additive -inf) has
+    # weight exactly 0, so its K / V rows are not loaded. Otherwise K's load waits on nothing.
+    if SKIP_MASKED:
+        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
+        rows = valid
+    else:
+        rows = in_s
     kt = tl.load(k_base + d[:, None] * stride_kd + s[None, :] * stride_ks,
                  mask=(d < D)[:, None] & rows[None, :], other=0.0)  # fmt: skip
     x = mma(q, kt) * scale  # [G_PAD, BLOCK_S] fp32
-    if MASK_AFTER_K:
+    if not SKIP_MASKED:
         valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, False)
     if MASK_KIND == 2:
         x = x + bias[None, :]
@@ -167,35 +174,19 @@ def _rows_step(q, k_base, v_base, m_base, s, in_s, rows, valid, bias, scale, m_i
 
 
 @triton.jit
-def _tile(q, k_base, v_base, m_base, tile, S, scale, m_i, l_i, acc,
-          stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-          D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-          BLOCK_S: tl.constexpr, MASK_KIND: tl.constexpr, SKIP_MASKED: tl.constexpr):  # fmt: skip
-    """One BLOCK_S tile of the online softmax; returns the new (m, l, acc)."""
-    s = tile * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_s = s < S
-    if SKIP_MASKED:
-        # The mask first: a position it rules out (bool False, additive -inf) has weight exactly
-        # 0, so its K / V rows are not loaded.
-        valid, bias = _mask_tile(m_base, s, in_s, stride_ms, MASK_KIND, True)
-        m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, valid, valid, bias, scale, m_i, l_i, acc,
-                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                   D, DV, D_PAD, DV_PAD, MASK_KIND, False)  # fmt: skip
-    else:
-        m_i, l_i, acc = _rows_step(q, k_base, v_base, m_base, s, in_s, in_s, in_s, 0.0, scale, m_i, l_i, acc,
-                                   stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-                                   D, DV, D_PAD, DV_PAD, MASK_KIND, True)  # fmt: skip
-    return m_i, l_i, acc
+def _kept_step(m_base, s, end, stride_ms, lo, hi, MASK_KIND: tl.constexpr):
+    """One step of ``_kept_tiles``: the positions ``s`` the mask keeps, folded into (lo, hi)."""
+    valid, _ = _mask_tile(m_base, s, s < end, stride_ms, MASK_KIND, True)
+    return tl.minimum(lo, tl.where(valid, s, 2147483647)), tl.maximum(hi, tl.where(valid, s, -1))
 
 
 @triton.jit
 def _kept_tiles(m_base, first, count, S, scans, stride_ms, MASK_KIND: tl.constexpr, BLOCK_S: tl.constexpr,
                 SCAN: tl.constexpr, INTERP_SCANS: tl.constexpr):  # fmt: skip
     """[lo, hi): the tiles of the split's ``count`` from ``first`` that lie between the first and
-    the last position the mask keeps (lo == hi where it keeps none), read ``SCAN`` positions at a
-    time in ``scans`` steps. The tiles outside are ruled out whole (a static cache's unwritten
-    tail): the tile loop does not visit them, so it keeps no branch that would stop Triton from
-    pipelining its loads."""
+    the last position the mask keeps (lo == hi where it keeps none), read ``SCAN`` positions a
+    step in ``scans`` steps. The tiles outside are ruled out whole (a static cache's unwritten tail): the tile loop
+    does not visit them, so it keeps no branch that would stop Triton from pipelining its loads."""
     start = first * BLOCK_S
     end = tl.minimum((first + count) * BLOCK_S, S)
     j = tl.arange(0, SCAN)
@@ -203,16 +194,10 @@ def _kept_tiles(m_base, first, count, S, scans, stride_ms, MASK_KIND: tl.constex
     hi = tl.full([SCAN], -1, tl.int32)
     if INTERPRETER:
         for c in range(0, INTERP_SCANS):
-            s = start + c * SCAN + j
-            valid, _ = _mask_tile(m_base, s, s < end, stride_ms, MASK_KIND, True)
-            lo = tl.minimum(lo, tl.where(valid, s, 2147483647))
-            hi = tl.maximum(hi, tl.where(valid, s, -1))
+            lo, hi = _kept_step(m_base, start + c * SCAN + j, end, stride_ms, lo, hi, MASK_KIND)
     else:
         for c in range(0, scans):
-            s = start + c * SCAN + j
-            valid, _ = _mask_tile(m_base, s, s < end, stride_ms, MASK_KIND, True)
-            lo = tl.minimum(lo, tl.where(valid, s, 2147483647))
-            hi = tl.maximum(hi, tl.where(valid, s, -1))
+            lo, hi = _kept_step(m_base, start + c * SCAN + j, end, stride_ms, lo, hi, MASK_KIND)
     last = tl.max(hi, axis=0)
     tile_lo = tl.where(last >= 0, tl.min(lo, axis=0) // BLOCK_S, first)
     tile_hi = tl.where(last >= 0, last // BLOCK_S + 1, first)

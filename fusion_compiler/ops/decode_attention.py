@@ -20,8 +20,8 @@ Semantics (``decode_attention_reference`` is the numerical truth, plain torch, a
     out      (p @ v_rep.float()).to(q.dtype), a new contiguous [B, H, 1, Dv]
     sparse_mask  a hint, not semantics: the mask rules positions out (DSA's top-k, a static
              cache's unwritten tail), so the kernel reads the mask first, loads no K / V row
-             it rules out and skips a tile it rules out whole. Off, it loads every row and
-             reads the mask beside them (no load waits on another).
+             it rules out and visits no tile outside its first..last kept position. Off, it
+             loads every row and reads the mask beside them (no load waits on another).
              patterns/decode_attention.py sets it wherever there is a mask.
 
 A row with every position masked gives NaN, like sdpa. The kernel rounds p to V's dtype before

@@ -20,8 +20,8 @@ With a mask, the op is told to read it first (``sparse_mask``) and loads no K / 
 out. HF's static cache masks its unwritten tail at every decode step but the last, and DeepSeek
 V3.2's sparse attention keeps ``index_topk`` of S positions; on the H100 (kernel alone) the skip
 took DSA's top-k 1.45-1.47x faster, a half-masked tail 1.15-1.99x, and cost at most 6% where
-nothing was masked (bench/NOTES.md, section 6). Where the mask is a top-k mask (dsa_topk_mask's op, through
-views) the site's variant says ``sparse``.
+nothing was masked (bench/NOTES.md, section 6). Where the mask is a top-k mask (dsa_topk_mask's
+op, through views) the site's variant says ``sparse``.
 """
 
 from __future__ import annotations
