@@ -3,9 +3,11 @@
 # Inductor + graph, per kernel name (bench/diagnostics/profile_step.py). H200 for DeepSeek (its
 # 2-layer stacks need more than 80 GB). Each named profile gets up to 290 s, in the order given
 # (two fit one call):
-#   hf_deepseek         DeepSeek V3.2's HF layer, experts computed: 1.25-1.27x (bar 1.5x); ours
-#                       spends ~4.3 ms a layer outside its experts, with the attention reading
-#                       only the written rows, and no profile says where;
+#   hf_deepseek         DeepSeek V3.2's HF layer, experts computed: 1.25-1.27x (bar 1.5x). Ours
+#                       took the same time with the dense attention (1786ff1) as with the skip
+#                       (a8e5443, 739122c), though the dense launch must read 21.5 GB a layer;
+#                       the profile says where the time goes, and attention_probe what the
+#                       layer's decode_attention is given and what it costs alone, skip on / off;
 #   reference_deepseek  DeepSeek V3.2's reference layer, experts computed (plain torch
 #                       grouped_mm): 1.20x (bar 1.25x);
 #   hf_qwen             Qwen3.5's HF layers, experts computed, plan mode: GDN 1.45x (bar 1.5x).

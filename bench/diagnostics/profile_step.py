@@ -6,7 +6,9 @@ layer kind) it builds decode.py's two stacks (HF's routed experts stubbed to zer
 stock Inductor's step captured in a CUDA graph and our backend's step under the profiler, and
 writes, per kernel name, the device µs and launches per call of (2 layers) - (1 layer). The sum
 of kernel time against the step's wall time (CUDA events) is the time the GPU sat between
-kernels.
+kernels. Our 1-layer step's warm-up call is also watched by ``attention_probe``: what each
+decode_attention launch is given (mask kind, kept positions a row, split plan) and its time
+re-measured alone on those tensors, skip on and off (``attention_probe`` in the JSON).
 
     python bench/diagnostics/profile_step.py --out bench/results/profile_step_h200.json
     python bench/diagnostics/profile_step.py --models minimax-m2.5 --batch 1 --out p.json
@@ -16,6 +18,7 @@ kernels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -25,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import common  # noqa: E402
 import decode  # noqa: E402
+from diagnostics import attention_probe  # noqa: E402
 
 MODES = ("inductor_graph", "fusion_compiler")
 CALLS = 20
@@ -53,7 +57,7 @@ def kernel_times(run) -> dict[str, dict[str, float]]:
 def profile_case(source: str, model: str, kind: str, batch: int, context: int, experts: str) -> dict:
     big, small = decode.layer_pairs(source, model)[kind]
     build = decode.build_hf if source == "hf" else decode.build_reference
-    stacks = {}
+    stacks, probed = {}, []
     for label, kinds in (("two", big), ("one", small)):
         torch._dynamo.reset()
         stack = build(model, kinds, "real", "cuda", experts)
@@ -61,7 +65,11 @@ def profile_case(source: str, model: str, kind: str, batch: int, context: int, e
         step = decode.Step(source, model, stack, batch, context)
         stacks[label] = {}
         for mode in MODES:
-            run, _, _ = decode.prepare(mode, compiled[mode], step)
+            watch = label == "one" and mode == "fusion_compiler"
+            with attention_probe.probe() if watch else contextlib.nullcontext([]) as calls:
+                run, _, _ = decode.prepare(mode, compiled[mode], step)
+            probed += attention_probe.summarise(calls, time_it=True)
+            del calls
             step.restore()
             wall = decode.time_us(run)
             step.restore()
@@ -81,7 +89,7 @@ def profile_case(source: str, model: str, kind: str, batch: int, context: int, e
         per_layer[mode] = {"wall_us": wall, "kernel_us": kernel_us, "between_kernels_us": wall - kernel_us,
                            "kernels": dict(sorted(rows.items(), key=lambda kv: -kv[1]["us"]))}  # fmt: skip
     return {"source": source, "model": model, "kind": kind, "batch": batch, "context": context, "experts": experts,
-            "per_layer": per_layer, "stacks": stacks}
+            "per_layer": per_layer, "stacks": stacks, "attention_probe": probed}
 
 
 def print_case(case: dict) -> None:
@@ -90,6 +98,8 @@ def print_case(case: dict) -> None:
               f"kernels {layer['kernel_us']:.1f} us, between kernels {layer['between_kernels_us']:.1f} us")  # fmt: skip
         for name, row in list(layer["kernels"].items())[:18]:
             print(f"    {row['us']:7.2f} us  x{row['launches']:4.1f}  {name[:110]}")
+    for row in case.get("attention_probe", []):
+        print(f"  decode_attention in the step: {row}")
 
 
 def main() -> None:
