@@ -102,6 +102,34 @@ def copy_bandwidth_gbs(gib: float = 2.0) -> float:
     return 2 * n / statistics.median(times) / 1e9
 
 
+def read_bandwidth_gbs(gib: float = 2.0) -> float:
+    """Bytes read per second by a read-only pass over `gib` GiB of bf16 on the device (nothing
+    written but a scalar): the faster of two torch reductions, ``torch.sum(x, dtype=float32)``
+    and ``x.amax()``, each the median of 20 after 3 warm-ups, CUDA events around each.
+
+    The yardstick for kernels that mostly read (the experts' weights): a copy moves as many bytes
+    out as in, and HBM streams reads alone faster, so % of ``copy_bandwidth_gbs`` can pass 100
+    where % of this stays below. It is torch's reduction kernel, not a bound: a kernel may beat
+    it, and where it comes out under the copy bandwidth the reduction, not HBM, limited it."""
+    n = int(gib * 2**30) // 2  # bf16 elements
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-1.0, 1.0)
+    best = 0.0
+    for op in (lambda: torch.sum(x, dtype=torch.float32), lambda: x.amax()):
+        for _ in range(3):
+            op()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        best = max(best, 2 * n / statistics.median(times) / 1e9)
+    del x
+    return best
+
+
 def kernels_in(fn: Callable[[], object]) -> int:
     from fusion_compiler.inspect.counting import count_cuda_kernels
 

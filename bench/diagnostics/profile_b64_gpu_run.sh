@@ -10,9 +10,13 @@
 #                       layer's decode_attention is given and what it costs alone, skip on / off;
 #   reference_deepseek  DeepSeek V3.2's reference layer, experts computed (plain torch
 #                       grouped_mm): 1.20x (bar 1.25x);
-#   hf_qwen             Qwen3.5's HF layers, experts computed, plan mode: GDN 1.45x (bar 1.5x).
+#   hf_qwen             Qwen3.5's HF layers, experts computed, plan mode: GDN 1.45x (bar 1.5x);
+#   experts_sweep       not a profile: the grouped experts' launch shapes at 64 tokens for the
+#                       three models (experts_check.py's grouped sweep, ~4 min, given what is
+#                       left of 570 s): the experts are most of every batch-64 layer, and the
+#                       shapes were never swept.
 # Results under $OUT/profile_b64_results. From the repository root:
-#   FUSION_COMMIT=<sha> FUSION_DIRTY=0 bash bench/diagnostics/profile_b64_gpu_run.sh hf_deepseek reference_deepseek
+#   FUSION_COMMIT=<sha> FUSION_DIRTY=0 bash bench/diagnostics/profile_b64_gpu_run.sh hf_deepseek experts_sweep
 OUT=${OUT:-/tmp/out}
 R=$OUT/profile_b64_results
 source bench/device_setup.sh "$R"
@@ -22,7 +26,14 @@ declare -A ARGS=(
   [hf_qwen]="--source hf --experts compute --models qwen3.5"
 )
 for name in "$@"; do
-  [[ -n "${ARGS[$name]:-}" ]] || { echo "unknown profile $name (one of ${!ARGS[*]})"; exit 2; }
+  if [[ $name == experts_sweep ]]; then
+    left=$((570 - SECONDS))
+    timeout "$left" python3 bench/diagnostics/experts_check.py --tokens --grouped-sweep-tokens 64 \
+      --budget-s $((left - 20)) --out "$R/experts_check_grouped_sweep_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/$name.log" 2>&1
+    echo "$name: rc=$? at ${SECONDS}s"; grep -E "grouped sweep:|GB/s|ERROR" "$R/$name.log" | grep -v "^  " | cut -c1-240 | tail -n 12
+    continue
+  fi
+  [[ -n "${ARGS[$name]:-}" ]] || { echo "unknown profile $name (one of ${!ARGS[*]} experts_sweep)"; exit 2; }
   # shellcheck disable=SC2086  # ARGS holds several words
   timeout 290 python3 bench/diagnostics/profile_step.py --batch 64 ${ARGS[$name]} \
     --out "$R/profile_step_${GPU}_${name}_b64_${FUSION_COMMIT:0:7}.json" > "$R/$name.log" 2>&1

@@ -48,7 +48,7 @@ if [ "$phase" = shared ]; then
   run_tests shared_ops_gpu_tests 150 -m gpu tests/kernels/test_paged_decode_attention.py \
     tests/kernels/test_routed_experts.py
   bench paged_attention 120 bench/diagnostics/paged_attention_check.py --out "$R/paged_attention_h200.json"
-  bench experts 200 bench/diagnostics/experts_check.py --budget-s 170 --out "$R/experts_check_h200.json"
+  bench experts 200 bench/diagnostics/experts_check.py --grouped-sweep-tokens --budget-s 170 --out "$R/experts_check_h200.json"
   wait
   cat "$R/tp.summary"
   bench gqa_sweep 180 bench/gqa_prologue.py --tokens 4096 --sweep-lanes 1024 2048 --out "$R/gqa_prologue_h200_sweep.json"

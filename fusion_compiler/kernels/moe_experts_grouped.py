@@ -81,7 +81,8 @@ class GroupedConfig:
     a power of two); ``*_block_n``: output columns per program (I for gate_up, H for down);
     ``*_block_k``: reduced-dim step (H for gate_up, I for down); ``*_stages``: ``num_stages`` of
     the reduced-dim loop (Triton's software pipeliner); ``combine_block``: H columns per combine
-    program. Not measured on an H200 yet: bench/moe_experts.py is to sweep it."""
+    program. Not swept on an H200 yet: bench/diagnostics/experts_check.py --grouped-sweep-tokens
+    sweeps it."""
 
     block_m: int = 16
     gate_up_block_n: int = 64
