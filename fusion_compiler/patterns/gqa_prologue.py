@@ -994,9 +994,15 @@ def _normed(node) -> bool:
 
 
 def _centred(node) -> bool:
-    """A LayerNorm's ``x - mean`` upstream of ``node`` (Cohere's ``use_qk_norm``)."""
-    return _before_projection(node, lambda n: n.target is aten.sub.Tensor
-                              and getattr(n.args[1], "target", None) is aten.mean.dim) is not None  # fmt: skip
+    """A LayerNorm's ``x - mean`` upstream of ``node``: the mean as ``mean`` (Cohere's
+    ``use_qk_norm``) or as ``var_mean``'s (``nn.LayerNorm`` decomposed: StableLM, Phi)."""
+    return _before_projection(node, lambda n: n.target is aten.sub.Tensor and _is_mean(n.args[1])) is not None
+
+
+def _is_mean(node) -> bool:
+    if getattr(node, "target", None) is operator.getitem and node.args[1] == 1:
+        return getattr(node.args[0], "target", None) is aten.var_mean.correction
+    return getattr(node, "target", None) is aten.mean.dim
 
 
 def _halves_of_one_rotation(first, second) -> bool:
@@ -1243,6 +1249,85 @@ def _rope_input_departure(anchor: torch.fx.Node, rows: torch.fx.Node) -> tuple[t
 
 
 _GPT_OSS_HALVES = "cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin))"
+_CLAMPS = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+
+
+def _k_path_departure(anchor: torch.fx.Node, rows: torch.fx.Node, head_dim: int | None):
+    """What k's or v's way into HF's cache has that no variant takes, read off the graph: a
+    LayerNorm as q/k norm (StableLM, Phi), a clamp (OLMoE's and DBRX's clip_qkv), an RMS norm
+    written with ``pow(., -0.5)`` (Gemma-3n), k split head by head out of one fused projection
+    (GPT-NeoX), v scaled by a constant before its write (MiMo-V2-Flash); else None."""
+    rotation = upstream(rows, _rotation, 8)
+    source = _rotated_input(rotation) if rotation is not None else None
+    k = source if source is not None else rows  # k's own path: not the cos / sin or positions feeding the RoPE
+    if _centred(k):
+        return k, ("q/k pass a LayerNorm (x - mean, as StableLM's and Phi's qk_layernorm write it) between their "
+                      "projection and RoPE: the fused GQA prologue takes RMS norms, or no norm")  # fmt: skip
+    clamp = _before_projection(k, lambda n: n.target in _CLAMPS and not _clamps_a_cast(n))
+    if clamp is not None:
+        bounds = _clamp_bounds(clamp)
+        return clamp, (f"k is clamped{bounds} between its projection and its RoPE (clip_qkv, as OLMoE and DBRX write "
+                       "it): the fused GQA prologue takes the projection's rows, or their RMS norm, as they are")  # fmt: skip
+    power = _before_projection(k, lambda n: n.target is aten.pow.Tensor_Scalar and n.args[1] == -0.5)
+    if power is not None:
+        return power, ("k's RMS norm is written x * pow(mean(x^2) + eps, -0.5), as Gemma-3n writes it: the fused GQA "
+                       "prologue's norms are the spellings with rsqrt")  # fmt: skip
+    fused = _split_after_heads(source, head_dim) if source is not None and head_dim else None
+    if fused is not None:
+        width = val_shape(fused)[-1]
+        return fused, (f"k is split head by head out of one fused projection whose heads hold [q | k | v] ({width} = "
+                       f"{width // head_dim} x {head_dim} a head, GPT-NeoX's query_key_value): the fused GQA prologue "
+                       "takes k's own projection, or a [q | k | v] projection split before its heads")  # fmt: skip
+    v_rows = _v_rows(anchor)
+    scale = _scale_of(v_rows) if v_rows is not None else None
+    if scale is not None:
+        return v_rows, (f"v is scaled by a constant ({scale:g}) between its projection and its cache write, as "
+                        "MiMo-V2-Flash's attention_value_scale does: the fused GQA prologue writes v's projection "
+                        "rows as they are")  # fmt: skip
+    return None
+
+
+def _clamps_a_cast(node) -> bool:
+    """A clamp inside an FP8 cast (saturation to the format's range), not the model's."""
+    return any(getattr(u, "target", None) is prims.convert_element_type.default and u.args[1] == FP8 for u in node.users)
+
+
+def _clamp_bounds(node) -> str:
+    """' to [lo, hi]' (or one side) read off a clamp and a clamp of the other side before it."""
+    low = high = None
+    for n in (node, node.args[0]):
+        if getattr(n, "target", None) is aten.clamp.default:
+            low, high = (n.args[1:3] + (None, None))[:2] if len(n.args) > 1 else (None, None)
+        elif getattr(n, "target", None) is aten.clamp_min.default:
+            low = n.args[1]
+        elif getattr(n, "target", None) is aten.clamp_max.default:
+            high = n.args[1]
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+        return f" to [{low:g}, {high:g}]"
+    if isinstance(low, (int, float)) or isinstance(high, (int, float)):
+        return f" to {'>=' if isinstance(low, (int, float)) else '<='} {low if isinstance(low, (int, float)) else high:g}"
+    return ""
+
+
+def _split_after_heads(source: torch.fx.Node, head_dim: int) -> torch.fx.Node | None:
+    """The [B, heads, S, n x head_dim] (or [B, S, heads, ...]) tensor k is a split piece of, when
+    the split comes after the head view: each head's row holds q, k and v."""
+    for node in _back_through_views(source, 6):
+        whole = mla_prologue._sliced_from(node)
+        shape = val_shape(whole) if whole is not None else None
+        if shape and len(shape) == 4 and isinstance(shape[-1], int) and shape[-1] > head_dim:
+            return whole
+    return None
+
+
+def _v_rows(anchor: torch.fx.Node) -> torch.fx.Node | None:
+    """The rows of the V-cache write beside the K write ``anchor``: another ``index_put`` at the
+    same positions."""
+    positions = [i for i in anchor.args[1] if isinstance(i, torch.fx.Node)]
+    for user in positions[0].users if positions else ():
+        if user is not anchor and user.target is aten.index_put.default and user.args[1] == anchor.args[1]:
+            return user.args[2] if isinstance(user.args[2], torch.fx.Node) else None
+    return None
 
 
 def _written_halves(cat: torch.fx.Node) -> str:
@@ -1299,6 +1384,9 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     if departure is not None:
         return departure
     head_dim = (val_shape(anchor.args[0]) or (None,))[-1]
+    departure = _k_path_departure(anchor, rows, head_dim) if isinstance(rows, torch.fx.Node) else None
+    if departure is not None:
+        return departure
     norm = _k_norm(rows) if isinstance(rows, torch.fx.Node) else None
     if norm is None or head_dim is None or norm["width"] is None:
         return None

@@ -161,3 +161,21 @@ def test_compile_returns_the_model_with_its_report():
         compiled(torch.randn(4, 32, dtype=BF16))
     assert compiled.fusion_report.count() == 6
     assert compiled.fusion_backend.compiles == 1
+
+
+def test_a_miss_no_check_explains_still_says_what_the_site_is(monkeypatch):
+    """Where neither the family's explain nor Inductor's failed match names a node, the reason
+    still says which family's site this is and at which op (never an empty "no variant matched")."""
+    import dataclasses
+
+    from fusion_compiler.passes import fusion_pass
+    from fusion_compiler.patterns import gqa_prologue
+
+    graph = torch.fx.Graph()
+    cache, positions, rows = (graph.placeholder(n) for n in ("cache", "positions", "rows"))
+    anchor = graph.call_function(torch.ops.aten.index_put.default, (cache, [None, None, positions], rows))
+    monkeypatch.setattr(fusion_pass, "failed_match_reason", lambda *args: None)
+    family = dataclasses.replace(gqa_prologue.FAMILY, explain=lambda node: None)
+    site = fusion_pass.FusionPass._miss(family, "triton", anchor, "model.layers.0.self_attn", None)
+    assert site.status == "missed" and "no variant matched" not in site.reason
+    assert site.reason.startswith("the model's code here is a gqa_prologue site (the index_put at index_put_default)"), site.reason

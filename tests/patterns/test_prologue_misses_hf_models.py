@@ -60,6 +60,16 @@ CONFIGS = {
     "minicpm3": dict(_MLA, q_lora_rank=64),
     "deepseek_v2": dict(_MLA, q_lora_rank=None, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
                         topk_group=1, n_group=1, num_experts_per_tok=2, moe_intermediate_size=64),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64, clip_qkv=8.0),
+    "stablelm": dict(qk_layernorm=True),
+    "phi": dict(qk_layernorm=True),
+    "gpt_neox": {},
+    "gemma3n_text": dict(_WINDOWED, intermediate_size=[128, 128], vocab_size_per_layer_input=256,
+                         hidden_size_per_layer_input=32, activation_sparsity_pattern=[0.95, 0.0], num_kv_shared_layers=0,
+                         altup_num_inputs=4, laurel_rank=16),
+    "mimo_v2_flash": dict(_WINDOWED, layer_types=["full_attention", "sliding_attention"], head_dim=48, v_head_dim=32,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          mlp_layer_types=["dense", "sparse"]),
 }  # fmt: skip
 
 # model -> {layer: variant} (a layer absent: no site, EXAONE-4's and Cohere2's global NoPE layers)
@@ -86,6 +96,12 @@ MISSED = {
     "hunyuan_v1_moe": (GQA, 1, "q/k are RMS-normalised after their RoPE"),
     "minicpm3": (GQA, 1, "k is one RoPE head split off the compressed kv projection"),
     "deepseek_v2": (MLA, 2, "RoPE is written in complex numbers"),
+    "olmoe": (GQA, 1, "k is clamped to [-8, 8] between its projection and its RoPE (clip_qkv"),
+    "stablelm": (GQA, 1, "q/k pass a LayerNorm (x - mean"),
+    "phi": (GQA, 1, "q/k pass a LayerNorm (x - mean"),
+    "gpt_neox": (GQA, 1, "k is split head by head out of one fused projection whose heads hold [q | k | v] (96 = 3 x 32"),
+    "gemma3n_text": (GQA, 1, "k's RMS norm is written x * pow(mean(x^2) + eps, -0.5)"),
+    "mimo_v2_flash": (GQA, 1, "v is scaled by a constant (0.707) between its projection and its cache write"),
 }  # fmt: skip
 
 
@@ -117,8 +133,11 @@ def decode_run(name: str) -> dict:
     return dict(model=model, report=backend.report, eager=eager, fused=fused, eager_step=step, fused_step=fused_step)
 
 
-def _attention(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn"
+_ATTENTION_PATHS = {"gpt_neox": "gpt_neox.layers.{}.attention"}
+
+
+def _attention(layer: int, name: str = "") -> str:
+    return _ATTENTION_PATHS.get(name, "model.layers.{}.self_attn").format(layer)
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -148,7 +167,7 @@ def test_every_attention_layer_is_a_miss_in_words(name):
     assert report.per_module(GQA) == {} and report.per_module(MLA) == {}, report.format()
     assert report.misses(other) == [], report.format()  # one family owns the attention
     misses = report.misses(family)
-    assert sorted(m.module for m in misses) == sorted(_attention(i) for i in range(2) for _ in range(per_layer))
+    assert sorted(m.module for m in misses) == sorted(_attention(i, name) for i in range(2) for _ in range(per_layer))
     for miss in misses:
         assert words in miss.reason, miss.reason
         assert "closest variant" not in miss.reason and "no variant matched" not in miss.reason
