@@ -4,7 +4,7 @@ Real graphs say the same thing several ways: `nn.RMSNorm` reduces over `[1]` whe
 code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
 `add.Tensor`; a 0-d constant is `scalar_tensor` in a trace and `full([])` in a graph;
 `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
-their argument lists. Without this, a pattern silently matches one spelling and misses the
+their argument lists, and `gather(1, ids)` and `gather(-1, ids)` of a 2-D tensor in a literal. Without this, a pattern silently matches one spelling and misses the
 other. A reshape's ``-1`` is one such spelling: ``view(-1, heads, D)`` and ``view(T, -1, D)``
 are the same reshape, so a static one carries its full shape. Pattern traces go through the
 same rewrite (patterns/registry.py).
@@ -73,6 +73,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _negative_dims(node)
         elif node.target is aten.topk.default:
             changed += _full_topk(node)
+        elif node.target is aten.gather.default and len(node.args) >= 2:
+            changed += _negative_gather_dim(node)
         elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
             changed += _static_shape(node)
         elif node.target is aten.index_put.default and len(node.args) >= 3:
@@ -409,6 +411,17 @@ def _full_topk(node: torch.fx.Node) -> int:
     if full == tuple(node.args) and not node.kwargs:
         return 0
     node.args, node.kwargs = full, {}
+    return 1
+
+
+def _negative_gather_dim(node: torch.fx.Node) -> int:
+    """gather(x, dim, index) with dim counted from the end: HF's MiniMax-M2 router gathers at
+    ``gather(1, ids)``, Laguna's at ``gather(-1, ids)``; a trace keeps whichever it was given."""
+    source, dim = node.args[0], node.args[1]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if value is None or not isinstance(dim, int) or dim < 0:
+        return 0
+    node.args = (source, dim - value.dim(), *node.args[2:])
     return 1
 
 

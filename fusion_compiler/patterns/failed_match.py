@@ -85,7 +85,8 @@ def sentence(failure, tried: torch.fx.Node) -> tuple[torch.fx.Node, str]:
     if kind.startswith("multiple_users") and patterns:
         shared = _shared_node(tried, patterns[0])
         where = shared or tried
-        readers = ", ".join(u.name for u in where.users)
+        order = {n: i for i, n in enumerate(where.graph.nodes)}  # graph order, not the users' insertion order
+        readers = ", ".join(u.name for u in sorted(where.users, key=order.__getitem__))
         return where, (f"{where.name} ({_node_words(where)}) is read by {readers}: outside the pattern, which "
                        "needs it read once, inside the fused op")  # fmt: skip
     if kind.startswith("constant_args") and node is not None:

@@ -14,7 +14,9 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
   then a softmax over those k fuse (against float64 too); Ernie 4.5's softmax + correction bias,
   renormalised by ``clamp(sum, min=1e-12)``, fuses as ``softmax_bias`` (its router kept in fp32
   as HF loads it too; against float64; the clamp proved inert below k / E); PhiMoE's sparsemixer
-  is declined in one sentence.
+  is declined in one sentence; Laguna's router (sigmoid + a bf16 correction bias, the weights
+  gathered at ``gather(-1, ids)``) fuses with its GEMM, and from its soft-capped logits
+  (``moe_router_logit_softcapping``) without it.
 - The one-group mask's three graphs: HF's scatter (Inductor's rewrite off), torch 2.11's rewrite
   (an int64 compare: the H200's GLM-4.5 routing was a miss on it) and 2.13's (cast back) are one
   graph after canonicalize; the cases with the rewrite off fuse by the same variant.
@@ -292,6 +294,11 @@ ZOO = {
                "scores"),
     # Softmax + a correction bias for the choice, the unbiased scores renormalised by clamp(sum, 1e-12).
     "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", _ERNIE, "gate", "softmax_bias+fp32_gemm", None),
+    # Sigmoid + a correction bias (bf16, cast up in the graph), weights gathered at gather(-1, ids).
+    "laguna": ("laguna", "LagunaSparseMoeBlock", _SOFTMAX, "gate", "sigmoid_bias+gemm", None),
+    # The same on soft-capped logits, tanh(logits / c) * c: the cap stays Inductor's, the routing fuses.
+    "laguna_softcap": ("laguna", "LagunaSparseMoeBlock", dict(_SOFTMAX, moe_router_logit_softcapping=30.0), "gate",
+                       "sigmoid_bias", None),
 }  # fmt: skip
 
 
