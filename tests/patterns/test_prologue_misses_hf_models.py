@@ -89,6 +89,10 @@ FUSED = {
 # Inductor's own rounding upstream (embedding scale, decoder norms); K by 1.07e-2. The prologue
 # itself keeps eager's bits: test_new_spellings_keep_eager_bits.
 CACHE_TOLERANCE = {"gemma3_text": 2e-2}
+# Gemma-3n with both prologues missed is stock Inductor's graph here (the other families off), and
+# that is 1.4e-2 from eager's bf16 logits under torch 2.11 (under 1e-2 on 2.13; the sweep's wider
+# config: stock 2.6e-2): Inductor's own rounding, no op of ours.
+LOGITS_TOLERANCE = {"gemma3n_text": 3e-2}
 # model -> (family, sites per layer, words of the reason)
 MISSED = {
     "falcon_h1": (GQA, 1, "k is scaled by a constant (0.5) between its projection and its RoPE, as Falcon-H1's "
@@ -171,7 +175,7 @@ def test_every_attention_layer_is_a_miss_in_words(name):
     for miss in misses:
         assert words in miss.reason, miss.reason
         assert "closest variant" not in miss.reason and "no variant matched" not in miss.reason
-    assert relative_error(run["fused"], run["eager"]) < 1e-2
+    assert relative_error(run["fused"], run["eager"]) < LOGITS_TOLERANCE.get(name, 1e-2)
 
 
 # ------------------------------------------------------------------------------------------
