@@ -4,8 +4,9 @@ Real graphs say the same thing several ways: `nn.RMSNorm` reduces over `[1]` whe
 code says `[-1]`, and adds eps with `add.Scalar` where HF's `+ eps` traces to
 `add.Tensor`; a 0-d constant is `scalar_tensor` in a trace and `full([])` in a graph;
 `torch.topk(x, k)` and `torch.topk(x, k, dim=-1, sorted=False)` differ in
-their argument lists, and `gather(1, ids)` and `gather(-1, ids)` of a 2-D tensor in a literal. Without this, a pattern silently matches one spelling and misses the
-other. A reshape's ``-1`` is one such spelling: ``view(-1, heads, D)`` and ``view(T, -1, D)``
+their argument lists, and `gather(1, ids)` and `gather(-1, ids)` of a 2-D tensor in a literal
+(a reduction's and gather's dims are counted from the end). Without this, a pattern silently
+matches one spelling and misses the other. A reshape's ``-1`` is one such spelling: ``view(-1, heads, D)`` and ``view(T, -1, D)``
 are the same reshape, so a static one carries its full shape. Pattern traces go through the
 same rewrite (patterns/registry.py).
 
@@ -53,6 +54,9 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+# Ops whose second argument is a dim (a reduction's list of them, gather's one), counted from the
+# end here: HF's MiniMax-M2 router gathers at gather(1, ids), Laguna's at gather(-1, ids).
+_DIM_OPS = (*_REDUCTIONS, aten.gather.default)
 
 
 def canonicalize(graph: torch.fx.Graph) -> int:
@@ -69,12 +73,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         elif node.target is aten.add.Scalar and len(node.args) == 2 and not node.kwargs:
             node.target = aten.add.Tensor
             changed += 1
-        elif node.target in _REDUCTIONS and len(node.args) > 1:
+        elif node.target in _DIM_OPS and len(node.args) > 1:
             changed += _negative_dims(node)
         elif node.target is aten.topk.default:
             changed += _full_topk(node)
-        elif node.target is aten.gather.default and len(node.args) >= 2:
-            changed += _negative_gather_dim(node)
         elif node.target in (aten.reshape.default, aten.view.default) and len(node.args) == 2:
             changed += _static_shape(node)
         elif node.target is aten.index_put.default and len(node.args) >= 3:
@@ -414,26 +416,17 @@ def _full_topk(node: torch.fx.Node) -> int:
     return 1
 
 
-def _negative_gather_dim(node: torch.fx.Node) -> int:
-    """gather(x, dim, index) with dim counted from the end: HF's MiniMax-M2 router gathers at
-    ``gather(1, ids)``, Laguna's at ``gather(-1, ids)``; a trace keeps whichever it was given."""
-    source, dim = node.args[0], node.args[1]
-    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-    if value is None or not isinstance(dim, int) or dim < 0:
-        return 0
-    node.args = (source, dim - value.dim(), *node.args[2:])
-    return 1
-
-
 def _negative_dims(node: torch.fx.Node) -> int:
+    """The dim argument (a list of dims, or one) counted from the end of the input's rank."""
     source = node.args[0]
     value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
     dims = node.args[1]
-    if value is None or not isinstance(dims, (list, tuple)):
+    if value is None or not isinstance(dims, (int, list, tuple)):
         return 0
-    rank = value.dim()
-    negative = [d - rank if d >= 0 else d for d in dims]
-    if negative == list(dims):
+    single = isinstance(dims, int)
+    given = [dims] if single else list(dims)
+    negative = [d - value.dim() if d >= 0 else d for d in given]
+    if negative == given:
         return 0
-    node.args = (source, negative, *node.args[2:])
+    node.args = (source, negative[0] if single else negative, *node.args[2:])
     return 1

@@ -15,6 +15,7 @@ from ..fx import canonicalize as canonicalize_module
 from ..fx.explain import chain
 from ..fx.module_paths import module_path
 from ..patterns import FAMILIES
+from ..patterns.failed_match import op_name
 from ..patterns.registry import Family, failed_match_reason, run_family
 from ..stages import FAMILY, GRAPH_PASS, STAGES, stage_module
 from .report import GraphReport, MatchReport, Site, modules_in
@@ -116,9 +117,9 @@ class FusionPass(_compat.CustomGraphPass):
             where = family.explain(anchor) or failed_match_reason(family, lowering, anchor)
             stopped = where[0] if where else anchor
             reason = where[1] if where else (
-                f"the model's code here is a {family.name} site (the {_op_name(anchor)} at {anchor.name}) in a spelling "
-                "none of the family's variants takes, at a step no check of the family names (--explain lists "
-                "the nodes from the anchor)")  # fmt: skip
+                f"the model's code here is a {family.name} site (the {op_name(anchor.target)} at {anchor.name}) in "
+                "a spelling none of the family's variants takes, at a step no check of the family names (--explain "
+                "lists the nodes from the anchor)")  # fmt: skip
         return Site(family.name, "missed", None, module, anchor.name, reason, stopped.name, chain(anchor, stopped))
 
     def _log(self, graph_report: GraphReport) -> None:
@@ -206,9 +207,3 @@ def _without_other_prologues(sites: list[Site], expected: dict) -> list[Site]:
     return [s for s in sites
             if not (s.status == "missed" and s.family in PROLOGUE_FAMILIES and owner.get(s.module, s.family) != s.family)]
 
-
-def _op_name(node) -> str:
-    """A node's op as the report names it: ``index_put`` for ``aten.index_put.default``."""
-    target = getattr(node, "target", None)
-    name = getattr(target, "__name__", None) or str(target)
-    return name.split(".")[0]

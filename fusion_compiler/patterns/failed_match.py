@@ -33,7 +33,7 @@ _WORDS = {
 }  # fmt: skip
 
 
-def _op_name(target) -> str:
+def op_name(target) -> str:
     """``aten.slice.Tensor`` -> "slice"."""
     if target is operator.getitem:
         return "getitem"
@@ -42,7 +42,7 @@ def _op_name(target) -> str:
 
 def op_words(target) -> str:
     """``aten.slice.Tensor`` -> "a slice"; an op not in the table by its own name."""
-    name = _op_name(target)
+    name = op_name(target)
     return _WORDS.get(name, f"a call of {name}")
 
 
@@ -79,7 +79,7 @@ def sentence(failure, tried: torch.fx.Node) -> tuple[torch.fx.Node, str]:
     if kind.startswith("function_mismatch") and node is not None and patterns:
         call = _compat.pattern_call(patterns[0])
         if getattr(node, "target", None) in call["targets"]:
-            return node, (f"at {node.name} the model's {_op_name(node.target)} takes {len(node.args)} arguments "
+            return node, (f"at {node.name} the model's {op_name(node.target)} takes {len(node.args)} arguments "
                           f"where the pattern's takes {call['arity']}")  # fmt: skip
         return node, f"at {node.name} the model has {_node_words(node)} where the pattern expects {_pattern_words(patterns[0])}"
     if kind.startswith("multiple_users") and patterns:

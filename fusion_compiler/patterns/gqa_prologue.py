@@ -1262,7 +1262,7 @@ def _k_path_departure(anchor: torch.fx.Node, rows: torch.fx.Node, head_dim: int 
     k = source if source is not None else rows  # k's own path: not the cos / sin or positions feeding the RoPE
     if _centred(k):
         return k, ("q/k pass a LayerNorm (x - mean, as StableLM's and Phi's qk_layernorm write it) between their "
-                      "projection and RoPE: the fused GQA prologue takes RMS norms, or no norm")  # fmt: skip
+                   "projection and RoPE: the fused GQA prologue takes RMS norms, or no norm")  # fmt: skip
     clamp = _before_projection(k, lambda n: n.target in _CLAMPS and not _clamps_a_cast(n))
     if clamp is not None:
         bounds = _clamp_bounds(clamp)
@@ -1294,18 +1294,20 @@ def _clamps_a_cast(node) -> bool:
 
 def _clamp_bounds(node) -> str:
     """' to [lo, hi]' (or one side) read off a clamp and a clamp of the other side before it."""
-    low = high = None
-    for n in (node, node.args[0]):
-        if getattr(n, "target", None) is aten.clamp.default:
-            low, high = (n.args[1:3] + (None, None))[:2] if len(n.args) > 1 else (None, None)
-        elif getattr(n, "target", None) is aten.clamp_min.default:
-            low = n.args[1]
-        elif getattr(n, "target", None) is aten.clamp_max.default:
-            high = n.args[1]
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+    bounds = {}
+    for n in (node.args[0], node):
+        target = getattr(n, "target", None)
+        if target is aten.clamp.default:
+            bounds.update(zip(("low", "high"), n.args[1:3]))
+        elif target is aten.clamp_min.default:
+            bounds["low"] = n.args[1]
+        elif target is aten.clamp_max.default:
+            bounds["high"] = n.args[1]
+    low, high = (b if isinstance(b, (int, float)) else None for b in (bounds.get("low"), bounds.get("high")))
+    if low is not None and high is not None:
         return f" to [{low:g}, {high:g}]"
-    if isinstance(low, (int, float)) or isinstance(high, (int, float)):
-        return f" to {'>=' if isinstance(low, (int, float)) else '<='} {low if isinstance(low, (int, float)) else high:g}"
+    if low is not None or high is not None:
+        return f" to >= {low:g}" if low is not None else f" to <= {high:g}"
     return ""
 
 
