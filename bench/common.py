@@ -83,23 +83,29 @@ def replay_median_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int, replays:
     return statistics.median(times)
 
 
+def _median_call_s(op: Callable[[], object], calls: int = 20) -> float:
+    """Median seconds of one ``op()`` after 3 warm-ups, CUDA events around each call."""
+    for _ in range(3):
+        op()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        op()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbs(gib: float = 2.0) -> float:
     """Device-to-device copy of `gib` GiB, bytes read plus bytes written, median of 20."""
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = _median_call_s(lambda: dst.copy_(src))
     del src, dst
-    return 2 * n / statistics.median(times) / 1e9
+    return 2 * n / seconds / 1e9
 
 
 def read_bandwidth_gbs(gib: float = 2.0) -> float:
@@ -113,21 +119,9 @@ def read_bandwidth_gbs(gib: float = 2.0) -> float:
     it, and where it comes out under the copy bandwidth the reduction, not HBM, limited it."""
     n = int(gib * 2**30) // 2  # bf16 elements
     x = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-1.0, 1.0)
-    best = 0.0
-    for op in (lambda: torch.sum(x, dtype=torch.float32), lambda: x.amax()):
-        for _ in range(3):
-            op()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            op()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        best = max(best, 2 * n / statistics.median(times) / 1e9)
+    seconds = min(_median_call_s(op) for op in (lambda: torch.sum(x, dtype=torch.float32), lambda: x.amax()))
     del x
-    return best
+    return 2 * n / seconds / 1e9
 
 
 def kernels_in(fn: Callable[[], object]) -> int:

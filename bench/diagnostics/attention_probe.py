@@ -86,19 +86,6 @@ def mask_facts(mask: torch.Tensor | None) -> dict:
     return facts
 
 
-def _time_us(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / reps
-
-
 def summarise(calls: list[Call], time_it: bool = False) -> list[dict]:
     """One row per recorded launch; ``time_it`` (CUDA only) re-times it alone, skip on and off,
     on the recorded q / mask and the live K / V (read only)."""
@@ -116,9 +103,11 @@ def summarise(calls: list[Call], time_it: bool = False) -> list[dict]:
             "mask": mask_facts(call.mask),
         }  # fmt: skip
         if time_it and call.q.is_cuda:
+            import decode  # bench/decode.py: the layers' own timer (imported here: CUDA only)
+
             out = torch.empty((batch, heads, 1, dv), dtype=call.q.dtype, device=call.q.device)
             for flag in (True, False):
-                row[f"us_skip_{'on' if flag else 'off'}"] = _time_us(
+                row[f"us_skip_{'on' if flag else 'off'}"] = decode.time_us(
                     lambda flag=flag: kernel_module.decode_attention_fwd(call.q, call.k, call.v, call.mask, call.scale,
                                                                          out, skip_masked=flag))  # fmt: skip
         rows.append(row)

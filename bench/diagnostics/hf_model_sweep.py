@@ -40,6 +40,8 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: common
+import common  # noqa: E402
+
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "hf_model_sweep_cpu.json")
 
 BATCH, CONTEXT, MAX_CACHE_LEN = 2, 8, 16
@@ -467,17 +469,8 @@ def _builds_plainly(cfg: dict, dtype) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _versions() -> dict:
-    """This pass's provenance (common.provenance: commit, dirty flag, device, versions)."""
-    import common
-
-    return common.provenance()
-
-
 def _save(path: str, doc: dict) -> None:
     """The JSON through common.write_json (its provenance: this run's), non-JSON values as text."""
-    import common
-
     doc["provenance"] = common.provenance()
     common.write_json(path, json.loads(json.dumps(doc, default=str)))
 
@@ -531,7 +524,7 @@ def main() -> None:
             doc = json.load(f)
     key = "models" if args.dtype == "bfloat16" else f"models_{args.dtype}"
     doc.setdefault(key, {})
-    run_provenance = _versions()
+    run_provenance = common.provenance()
     doc[f"setup_{args.dtype}"] = {"provenance": run_provenance, "device": "cpu", "dtype": args.dtype, "batch": BATCH, "context": CONTEXT,
                     "max_cache_len": MAX_CACHE_LEN, "seed": 0, "timeout_s": args.timeout,
                     "ok_rule": f"ours_err <= max(2 * stock_err, {FLOOR[args.dtype]}) (max |a-e| / max |e| of the logits)"}  # fmt: skip
