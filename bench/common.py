@@ -124,6 +124,17 @@ def read_bandwidth_gbs(gib: float = 2.0) -> float:
     return 2 * n / seconds / 1e9
 
 
+def check_cpu_tiny(parser, args, interpreter: bool = True) -> None:
+    """``--device cpu`` runs ``--tiny`` only (no CUDA graphs, no timing); with ``interpreter`` it
+    also needs TRITON_INTERPRET=1 set before the kernels are imported."""
+    if args.device != "cpu":
+        return
+    if not args.tiny:
+        parser.error("--device cpu runs --tiny only (no CUDA graphs, no timing)")
+    if interpreter and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu needs TRITON_INTERPRET=1 set before the kernels are imported")
+
+
 def kernels_in(fn: Callable[[], object]) -> int:
     from fusion_compiler.inspect.counting import count_cuda_kernels
 

@@ -282,9 +282,11 @@ def run_row(name: str, experts: torch.nn.Module, compiled, tokens: int, args, en
     return row | {"row_s": time.monotonic() - began}
 
 
-def summary(row: dict) -> str:
+def summary_parts(row: dict, speedups: tuple[str, ...]) -> list[str]:
+    """A row's label, each mode's error, µs, kernels, GB/s and % of copy bandwidth, and the
+    ``speedups`` keys it has (one line of the log, joined by the caller)."""
     if "skipped" in row or "error" in row:
-        return f"{row['model']:13s} T={row['tokens']:4d} | {row.get('skipped') or row.get('error')}"
+        return [f"{row['model']:13s} T={row['tokens']:4d}", str(row.get("skipped") or row.get("error"))]
     parts = [f"{row['model']:13s} T={row['tokens']:4d} distinct {row['distinct_experts']:6.1f}"]
     for mode, entry in row["modes"].items():
         if "error" in entry:
@@ -292,11 +294,14 @@ def summary(row: dict) -> str:
             continue
         text = f"{mode} err {entry.get('max_rel_err', float('nan')):.1e}"
         if "us" in entry:
-            text += f" {entry['us']:.1f}us {entry['kernels']}k {entry['pct_copy_bw']:.0f}%bw"
+            text += f" {entry['us']:.1f}us {entry['kernels']}k {entry['gbs']:.0f}GB/s {entry['pct_copy_bw']:.0f}%bw"
         parts.append(text)
-    for key in ("speedup_ours_vs_stock_inductor", "speedup_ours_vs_grouped_mm"):
-        if key in row:
-            parts.append(f"{key.removeprefix('speedup_')} {row[key]:.2f}x")
+    parts += [f"{key.removeprefix('speedup_')} {row[key]:.2f}x" for key in speedups if key in row]
+    return parts
+
+
+def summary(row: dict) -> str:
+    parts = summary_parts(row, ("speedup_ours_vs_stock_inductor", "speedup_ours_vs_grouped_mm"))
     if "bar" in row:
         parts.append(f"bar {row['bar']['pct_copy_bw_required']:.0f}% {'met' if row['bar']['met'] else 'NOT met'}")
     return " | ".join(parts)
@@ -316,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny widths (the CPU test)")
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not args.tiny:
-        parser.error("--device cpu runs --tiny only (no CUDA graphs, no timing)")
+    common.check_cpu_tiny(parser, args, interpreter=False)
     start = time.monotonic()
     env = {"device_facts": common.device_facts()} if args.device == "cuda" else {}
     if args.device == "cuda":

@@ -580,12 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny widths (TINY_MODELS; the CPU test)")
     args = parser.parse_args(argv)
-    if args.device == "cpu":
-        if not args.tiny:
-            parser.error("--device cpu runs --tiny only (the interpreter; no CUDA graphs, no timing)")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--device cpu needs TRITON_INTERPRET=1 set before the kernels are imported")
-    elif not torch.cuda.is_available():
+    common.check_cpu_tiny(parser, args)
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("experts_check.py needs a CUDA device (or --device cpu --tiny)")
 
     run = Runner(args)

@@ -15,6 +15,9 @@
 #                       three models (experts_check.py's grouped sweep, ~4 min, given what is
 #                       left of 570 s): the experts are most of every batch-64 layer, and the
 #                       shapes were never swept.
+#   experts_fp8         not a profile: the FP8 experts' GPU tests, then bench/moe_experts_fp8.py
+#                       (ours FP8 vs ours bf16 vs stock Inductor over a plain-torch FP8 forward,
+#                       1 / 8 / 64 / 256 tokens, three models) in what is left of 570 s.
 # Results under $OUT/profile_b64_results. From the repository root:
 #   FUSION_COMMIT=<sha> FUSION_DIRTY=0 bash bench/diagnostics/profile_b64_gpu_run.sh hf_deepseek experts_sweep
 OUT=${OUT:-/tmp/out}
@@ -33,7 +36,16 @@ for name in "$@"; do
     echo "$name: rc=$? at ${SECONDS}s"; grep -E "grouped sweep:|GB/s|ERROR" "$R/$name.log" | grep -v "^  " | cut -c1-240 | tail -n 12
     continue
   fi
-  [[ -n "${ARGS[$name]:-}" ]] || { echo "unknown profile $name (one of ${!ARGS[*]} experts_sweep)"; exit 2; }
+  if [[ $name == experts_fp8 ]]; then
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_experts_fp8.py > "$R/experts_fp8_tests.log" 2>&1
+    echo "experts_fp8 tests: rc=$? $(tail -n 1 "$R/experts_fp8_tests.log")"; grep -h -E "^FAILED|^E " "$R/experts_fp8_tests.log" | cut -c1-300 | head -n 20
+    left=$((570 - SECONDS))
+    timeout "$left" python3 bench/moe_experts_fp8.py --seconds $((left - 60)) \
+      --out "$R/moe_experts_fp8_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/$name.log" 2>&1
+    echo "$name: rc=$? at ${SECONDS}s"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/$name.log" | cut -c1-400 | tail -n 16
+    continue
+  fi
+  [[ -n "${ARGS[$name]:-}" ]] || { echo "unknown profile $name (one of ${!ARGS[*]} experts_sweep experts_fp8)"; exit 2; }
   # shellcheck disable=SC2086  # ARGS holds several words
   timeout 290 python3 bench/diagnostics/profile_step.py --batch 64 ${ARGS[$name]} \
     --out "$R/profile_step_${GPU}_${name}_b64_${FUSION_COMMIT:0:7}.json" > "$R/$name.log" 2>&1
