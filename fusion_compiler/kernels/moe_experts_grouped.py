@@ -66,7 +66,7 @@ from ._device import launch_on_device, mma
 from ._device import upcast as _upcast
 from .moe_experts import _TL_DTYPES, prepare, silu_mul_rounded
 
-KERNEL_VERSION = "moe_experts_grouped-3"
+KERNEL_VERSION = "moe_experts_grouped-4"
 
 # Pairs per expert a GEMM program takes at once: tl.dot needs >= 16 rows; the average run
 # (P / E) sets it up to 64, past which a longer run loops (e.g. MiniMax at 64 tokens: 512 pairs
@@ -81,8 +81,8 @@ class GroupedConfig:
     a power of two); ``*_block_n``: output columns per program (I for gate_up, H for down);
     ``*_block_k``: reduced-dim step (H for gate_up, I for down); ``*_stages``: ``num_stages`` of
     the reduced-dim loop (Triton's software pipeliner); ``combine_block``: H columns per combine
-    program. Not swept on an H200 yet: bench/diagnostics/experts_check.py --grouped-sweep-tokens
-    sweeps it."""
+    program. bench/diagnostics/experts_check.py --grouped-sweep-tokens sweeps the GEMMs' shapes
+    (``default_config`` says what it chose)."""
 
     block_m: int = 16
     gate_up_block_n: int = 64
@@ -112,22 +112,27 @@ class GroupedConfig:
 
 
 def default_config(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int) -> GroupedConfig:
-    """``block_m`` by the average run P / E (16..64); the tiles 64 x 64 (bf16 gate_up with 3
-    stages: (16 x 64 + 2 x 64 x 64) x 2 B x 3 = 55 KB of shared memory), narrowed to the dims'
-    powers of two at tiny shapes; MiniMax at 17 tokens: 136 slots x 24 I blocks = 3264 gate_up
-    programs, >= 2 per SM of an H200."""
+    """``block_m`` by the average run P / E (16..64). At block_m <= 32 (decode: up to ~1000
+    tokens of top-8 over 256 experts) the shapes swept at 64 tokens (H100, c9df2ae, all three
+    models' best or within 0.3% of it): gate/up 64 x 128 (N x K), 4 warps; down 128 x 128,
+    8 warps; 3 stages each, (32 x 128 + 128 x 128) x 2 B x 3 = 123 KB of shared memory at most.
+    Above (prefill), the 64 x 64 tiles, 4 warps (55 KB at block_m 16). Tiles are narrowed to
+    the dims' powers of two at tiny shapes. MiniMax at 17 tokens: 136 slots x 24 I blocks =
+    3264 gate_up programs, >= 2 per SM of an H200."""
     pairs = tokens * top_k
     block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(triton.cdiv(pairs, max(experts, 1)))))
 
-    def tile(dim: int) -> int:
-        return max(16, min(64, triton.next_power_of_2(dim)))
+    def tile(dim: int, widest: int = 64) -> int:
+        return max(16, min(widest, triton.next_power_of_2(dim)))
 
+    wide = 128 if block_m <= 32 else 64
     return GroupedConfig(
         block_m=block_m,
         gate_up_block_n=tile(intermediate),
-        gate_up_block_k=tile(hidden),
-        down_block_n=tile(hidden),
-        down_block_k=tile(intermediate),
+        gate_up_block_k=tile(hidden, wide),
+        down_block_n=tile(hidden, wide),
+        down_block_k=tile(intermediate, wide),
+        down_warps=8 if block_m <= 32 else 4,
         combine_block=max(16, min(1024, triton.next_power_of_2(hidden))),
     )
 
