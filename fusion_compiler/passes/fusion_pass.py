@@ -16,7 +16,7 @@ from ..fx.explain import chain
 from ..fx.module_paths import module_path
 from ..patterns import FAMILIES
 from ..patterns.failed_match import op_name
-from ..patterns.registry import Family, failed_match_reason, run_family
+from ..patterns.registry import Family, failed_match_reason, is_binding_artefact, run_family
 from ..stages import FAMILY, GRAPH_PASS, STAGES, stage_module
 from .report import GraphReport, MatchReport, Site, modules_in
 
@@ -107,6 +107,12 @@ class FusionPass(_compat.CustomGraphPass):
 
     @staticmethod
     def _miss(family: Family, lowering: str, anchor, module, declined) -> Site:
+        # The matcher binding q's and k's paths to one node is its own wrong try, not the model's
+        # code: left out beside any other reason; alone, the family's explain speaks if it can.
+        kept = [d for d in declined or () if not is_binding_artefact(d[1])]
+        if declined and not kept:
+            kept = [] if family.explain(anchor) is not None else declined
+        declined = kept
         if declined:
             # A declined site matched in structure (its guard said no): the anchor stands for it,
             # and the guard's words are the reason; a variant traced for several dtypes declines

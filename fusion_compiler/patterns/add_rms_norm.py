@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..fx.graph_walk import is_silu, target
+from ..fx.graph_walk import RESHAPES as _RESHAPES, is_silu, target, val_shape
 from ..fx.module_paths import module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import rms_norm as rms_norm_ops
@@ -288,13 +288,20 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
 
 def _not_x_itself(squared: torch.fx.Node) -> Reason:
     """What a norm squares where it is not x (or x upcast), in model terms: x less its mean
-    (Cohere's LayerNorm), or x times an activated gate (Mamba2's gated norm, gate first)."""
+    (Cohere's LayerNorm), or x times an activated gate (Mamba2's gated norm, gate first), also
+    seen through the [.., groups, width / groups] view of a grouped norm (Zamba2's
+    ``Zamba2RMSNormGated``, NemotronH's Mamba mixer norm: one group views x as [.., 1, width])."""
+    groups = None
+    while squared.target in _RESHAPES and isinstance(squared.args[0], torch.fx.Node):
+        groups = (val_shape(squared) or (None, None))[-2] if groups is None else groups
+        squared = squared.args[0]
     if squared.target is aten.sub.Tensor and target(squared.args[1]) is aten.mean.dim:
         if squared.args[1].args[0] is squared.args[0]:
             return "the norm subtracts the mean of x before normalising (a LayerNorm, not an RMSNorm)"
     if squared.target is aten.mul.Tensor and any(is_silu(a) for a in squared.args):
-        return ("the norm normalises x · silu(gate), the gate applied before the norm (Mamba2's gated RMSNorm), "
-                "where the fused norms take x and gated_rms_norm gates after the norm")
+        grouped = f", in {groups} groups" if isinstance(groups, int) and groups > 1 else ""
+        return (f"the norm normalises x · silu(gate){grouped}, the gate applied before the norm (Mamba2's gated "
+                "RMSNorm), where the fused norms take x and gated_rms_norm gates after the norm")  # fmt: skip
     return None
 
 

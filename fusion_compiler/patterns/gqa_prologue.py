@@ -1026,6 +1026,8 @@ def _roped_rows(node, hf_cache: bool, halves: bool = False) -> bool:
     for _ in range(6):
         if not isinstance(node, torch.fx.Node):
             return False
+        if mla_prologue.complex_rope_of_heads(node):
+            return hf_cache or _normed(node)  # Llama-4's complex RoPE of whole heads: a reported miss
         if _rotation(node):
             # HF's rotation written as it is (full RoPE: no pass-through to cat back): a site
             # written to one of HF's caches (the no-norm variants' layouts), or after a q/k norm.
@@ -1371,6 +1373,9 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     value = _compat.fake_value(rows) if isinstance(rows, torch.fx.Node) and "val" in rows.meta else None
     if value is not None and value.dtype not in _ACTIVATION_DTYPES:
         return rows, f"the K rows are {value.dtype}: the fused GQA prologue's kernel takes bf16, fp16 or fp32"
+    complex_rope = upstream(rows, mla_prologue.complex_rope_of_heads, 12) if isinstance(rows, torch.fx.Node) else None
+    if complex_rope is not None:
+        return complex_rope, _complex_rope_reason(rows, complex_rope)
     if isinstance(rows, torch.fx.Node) and _norm_after_rope(rows):
         return rows, ("q/k are RMS-normalised after their RoPE (a norm of the rotated heads, as HunYuan's "
                       "query_layernorm / key_layernorm run after apply_rotary_pos_emb), so the cached K rows are a "
@@ -1406,6 +1411,20 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
                   f"weight, then RoPE over {rotary} of {head_dim} dims: the fused GQA prologue takes per-head norms "
                   "(a plain x * w weight as Qwen3-MoE and GLM-4-MoE write it, or Qwen3.5's 1 + w) or MiniMax-M2's "
                   "whole-projection x * w norm")  # fmt: skip
+
+
+def _complex_rope_reason(rows: torch.fx.Node, rope: torch.fx.Node) -> str:
+    """k turned in complex numbers (Llama-4's ``apply_rotary_emb``), and normalised after that
+    where it is (Llama-4's ``qk_norm``, an RMS norm without a weight: its L2 norm)."""
+    dtype = str(getattr(rope.meta.get("val"), "dtype", "its dtype")).removeprefix("torch.")
+    after = ""
+    if _norm_after_rope(rows):
+        norm = _k_norm(rows)
+        weight = " with no weight" if norm is not None and not norm["weighted"] else ""
+        after = f", then RMS-normalised{weight} after its RoPE (as Llama-4's qk_norm is)"
+    return (f"k is rotated in complex numbers, view_as_real(view_as_complex(x) * freqs_cis) on GPT-J pairs (2i, "
+            f"2i + 1) in {dtype}, as Llama-4's apply_rotary_emb writes its RoPE{after}: the fused GQA prologue takes "
+            "RoPE as real cos / sin products, and q/k norms before the RoPE only")  # fmt: skip
 
 
 # (per head, Gemma's weight, x·rstd rounded before the weight, RoPE in fp32 or None: any) of each

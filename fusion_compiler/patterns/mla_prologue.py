@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from ..fx.graph_walk import is_pair_slice
+from ..fx.graph_walk import is_pair_slice, val_shape
+from ..fx.module_paths import module_path
 from ..ops import mla_kv_prologue as kv_ops
 from ..ops import mla_q_prologue as q_ops
 from . import add_rms_norm, prologue_calls
@@ -601,11 +602,49 @@ def is_complex_rope(node: torch.fx.Node) -> bool:
     )
 
 
+_PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+_HEAD_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.permute.default,
+               aten.transpose.int, *_VIEWS)  # fmt: skip
+
+
+def projected_heads(node) -> bool:
+    """``node`` is a projection's output viewed as heads (through views, transposes and casts),
+    whole: no slice or split piece of it (MLA ropes a slice, its decoupled RoPE dims)."""
+    for _ in range(8):
+        if not isinstance(node, torch.fx.Node) or node.target in (aten.slice.Tensor, operator.getitem):
+            return False
+        if node.target in _PROJECTIONS:
+            return True
+        if node.target not in _HEAD_VIEWS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def complex_rope_of_heads(node: torch.fx.Node) -> bool:
+    """A complex-number RoPE turning whole heads of a per-head projection (Llama-4's
+    ``apply_rotary_emb``: a GQA attention's), not MLA's decoupled RoPE slice (DeepSeek-V2)."""
+    if not is_complex_rope(node):
+        return False
+    rotated = next(x for x in node.args[0].args if getattr(x, "target", None) is aten.view_as_complex.default)
+    return projected_heads(rotated.args[0])
+
+
+def _static_cache_write_beside(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s attention module writes HF's static cache where gqa_prologue has a site."""
+    from . import gqa_prologue  # it imports this module
+
+    module = module_path(node)
+    return bool(module) and any(n.target is aten.index_put.default and module_path(n) == module
+                                and gqa_prologue.is_site(n) for n in node.graph.nodes)  # fmt: skip
+
+
 def is_site(node: torch.fx.Node) -> bool:
     """A RoPE rotation: ``a*cos - b*sin`` with a, b slices of one tensor (pairs, or halves
-    written out), or HF's ``x*cos + rotate_half(x)*sin``; or one in complex numbers."""
+    written out), or HF's ``x*cos + rotate_half(x)*sin``; or one in complex numbers, unless it
+    turns whole heads of an attention with a gqa_prologue site (Llama-4's: that family's miss)."""
     if is_complex_rope(node):
-        return True
+        return not (complex_rope_of_heads(node) and _static_cache_write_beside(node))
     if node.op != "call_function" or node.target not in (aten.sub.Tensor, aten.add.Tensor):
         return False
     left, right = (_mul_operands(a) for a in node.args)
@@ -639,6 +678,14 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
                 "the indexer ropes interleaved (GPT-J) pairs; the indexer prologue's kernels rotate NeoX "
                 "halves, as DeepSeek V3.2's indexer does, and have no pairs layout"
             )
+    heads = _rotated_heads(anchor)
+    appended = _cache_appended_by_cat(anchor) if heads is not None else None
+    if appended is not None:
+        width = (val_shape(heads) or (None,))[-1]
+        return appended, (f"this RoPE turns whole {width}-wide heads of a per-head projection, a GQA attention's, not "
+                          "MLA's RoPE slice beside a compressed latent; the attention appends k and v to its cache by "
+                          "torch.cat (a dynamic cache, as MiniMax's own MiniMaxCache does), and the fused GQA "
+                          "prologue's site is a write into HF's static cache (index_copy_), which it has none of")  # fmt: skip
     for mul in anchor.args:
         for operand in mul.args:
             source = _sliced_from(operand)
@@ -652,6 +699,32 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
                     "outside the rotation"
                 )
     return None
+
+
+def _rotated_heads(anchor: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor a real RoPE ``anchor`` turns, where that is whole heads of a per-head
+    projection (both halves or all pairs of the head: a GQA attention's RoPE); else None."""
+    sources = {_sliced_from(x.args[0] if getattr(x, "target", None) is aten.neg.default else x)
+               for mul in anchor.args for operand in (_mul_operands(mul) or ())
+               for x in (operand.args[0] if _is_rotate_half(operand) else [operand])}  # fmt: skip
+    sources.discard(None)
+    if len(sources) != 1:
+        return None
+    (heads,) = sources
+    return heads if projected_heads(heads) else None
+
+
+def _cache_appended_by_cat(anchor: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``cat((past, new), dim=-2)`` of a dynamic cache in ``anchor``'s attention module (the
+    past a graph input), where the module has no index_put (no static-cache write)."""
+    module = module_path(anchor)
+    if not module:
+        return None
+    nodes = [n for n in anchor.graph.nodes if n.op == "call_function" and module_path(n) == module]
+    if any(n.target is aten.index_put.default for n in nodes):
+        return None
+    return next((n for n in nodes if n.target is aten.cat.default and len(n.args) > 1 and n.args[1] in (-2, 2)
+                 and getattr(n.args[0][0], "op", None) == "placeholder"), None)  # fmt: skip
 
 
 FAMILY = Family(

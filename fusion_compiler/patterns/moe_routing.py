@@ -612,10 +612,117 @@ def explain(anchor: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     if _router_logits(scores):
         return _top_logits_reason(anchor)
     if _scores_source(scores):
-        return None
+        return _group_departure(anchor, scores) or _weights_departure(anchor, scores)
     function = _function_name(scores, _logits_of(scores))
     return scores, (f"the router scores its logits as {function}; the fused routing takes sigmoid or softmax "
                     "over the experts")  # fmt: skip
+
+
+def _scoring(scores: torch.fx.Node) -> str:
+    return "sigmoid" if scores.target is aten.sigmoid.default else "softmax"
+
+
+def _number(node) -> float | None:
+    """The Python number among a node's arguments (an add's eps, a mul's scale), or None."""
+    return next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+
+
+def _group_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """Groups the variants do not take, read off the graph: the expert top-k over the scores
+    masked by a group choice whose groups are scored by their best expert (``max``: DeepSeek-V2's
+    ``group_limited_greedy``), or groups of softmax scores; None where the groups are DeepSeek-V3's
+    (sigmoid + bias, each scored by its best 2: the grouped variants' guards speak there)."""
+    masked = topk.args[0]
+    if getattr(masked, "target", None) is not aten.where.self:
+        return None
+    group_topk = upstream(masked.args[0], lambda n: n.target is aten.topk.default, 12)
+    if group_topk is None:
+        return None
+    group_scores = group_topk.args[0]
+    best = getattr(group_scores, "target", None) is operator.getitem and getattr(
+        group_scores.args[0], "target", None) is aten.max.dim  # fmt: skip
+    if not best and _scoring(scores) == "sigmoid":
+        return None
+    n_group, topk_group = (val_shape(group_scores) or (None,))[-1], group_topk.args[1]
+    scoring = _scoring(scores)
+    by = f"the highest best {scoring} score (max over each group)" if best else f"the highest {scoring} scores"
+    whose = " (DeepSeek-V2's group_limited_greedy)" if best else ""
+    fill = masked.args[1]
+    fill_value = fill.args[1] if getattr(fill, "target", None) is aten.full.default else fill
+    masked_to = f"masks the others' scores to {fill_value:g} " if isinstance(fill_value, (int, float)) else ""
+    return group_scores, (f"the router keeps the {topk_group} of {n_group} expert groups with {by}, {masked_to}and "
+                          f"weights its top-k experts by their {scoring} scores{whose}: "
+                          "the fused routing groups only sigmoid scores + a correction bias, each group scored by the "
+                          "sum of its best 2 (DeepSeek-V3's noaux_tc)")  # fmt: skip
+
+
+def _gathered(topk: torch.fx.Node, scores: torch.fx.Node) -> torch.fx.Node | None:
+    """``scores.gather(-1, ids)`` of the top-k's ids: the unbiased weights of a biased choice."""
+    ids = [u for u in topk.users if u.target is operator.getitem and u.args[1] == 1]
+    return next((u for i in ids for u in i.users if u.target is aten.gather.default and u.args[0] is scores), None)
+
+
+def _weights_steps(gathered: torch.fx.Node) -> tuple[tuple[str, float] | None, float | None, torch.fx.Node]:
+    """What the router does to its gathered weights: the renormalisation (``("sum", eps)`` for
+    ``w / (w.sum() + eps)``, ``("clamp", min)`` for ``w / clamp(w.sum(), min)``, None for none),
+    the constant it then multiplies them by (None for none), and the last node of the two."""
+    renorm, scale, node = None, None, gathered
+    total = next((u for u in gathered.users if u.target is aten.sum.dim_IntList), None)
+    if total is not None:
+        kind, value, denominator = "sum", 0.0, total
+        after = next(iter(total.users)) if len(total.users) == 1 else None
+        if after is not None and after.target in (aten.add.Tensor, aten.add.Scalar) and _number(after) is not None:
+            value, denominator = _number(after), after
+        elif after is not None and after.target is aten.clamp_min.default and _number(after) is not None:
+            kind, value, denominator = "clamp", _number(after), after
+        divide = next((u for u in denominator.users
+                       if u.target is aten.div.Tensor and u.args == (gathered, denominator)), None)  # fmt: skip
+        if divide is not None:
+            renorm, node = (kind, value), divide
+    while len(node.users) == 1 and next(iter(node.users)).target is torch.ops.prims.convert_element_type.default:
+        node = next(iter(node.users))
+    scaled = next((u for u in node.users if u.target is aten.mul.Tensor and _number(u) is not None), None)
+    if scaled is not None:
+        scale, node = _number(scaled), scaled
+    return renorm, scale, node
+
+
+def _weights_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+    """A router choosing by biased scores, no groups, whose weights (the unbiased scores gathered
+    at its ids) are not what the variants make of them: those divide sigmoid scores in fp32 by
+    their plain sum (MiniMax-M2's; + eps only after DeepSeek-V3's group choice) and softmax scores
+    by ``clamp(sum, min)`` (Ernie 4.5's). A scale after that stays outside the fused op: said
+    with the rest, never the reason alone. None where the router does what a variant does
+    (another departure: the variants' reasons)."""
+    if getattr(topk.args[0], "target", None) is not aten.add.Tensor:
+        return None
+    gathered = _gathered(topk, scores)
+    if gathered is None:
+        return None
+    renorm, scale, last = _weights_steps(gathered)
+    scoring, dtype = _scoring(scores), getattr(scores.meta.get("val"), "dtype", None)
+    narrow = dtype is not None and dtype != torch.float32
+    if scoring == "sigmoid" and renorm == ("sum", 0.0) and not narrow:
+        return None
+    if scoring == "softmax" and renorm is not None and renorm[0] == "clamp":
+        return None
+    if renorm is None:
+        steps = ", not renormalised"
+    elif renorm[0] == "clamp":
+        steps = f" over clamp(sum, min={renorm[1]:g})"
+    else:
+        steps = f" over their sum{f' + {renorm[1]:g}' if renorm[1] else ''}"
+    steps += f", times {scale:g}" if scale is not None else ""
+    dtype_name = str(dtype).removeprefix("torch.")
+    where = f", all in {dtype_name} (the sigmoid of its {dtype_name} logits)" if narrow else ""
+    if scoring == "sigmoid":
+        takes = ("divides an ungrouped sigmoid router's weights, in fp32, by their plain sum (MiniMax-M2's), and "
+                 "adds an eps to the sum only after DeepSeek-V3's group choice")  # fmt: skip
+    else:
+        takes = ("takes a softmax router with a correction bias only as Ernie 4.5 writes it, its weights divided by "
+                 "clamp(sum, min)")  # fmt: skip
+    return last, (f"the router weights its top-k experts by their unbiased {scoring} scores{steps}{where}, with no "
+                  f"expert groups: the fused routing {takes}")  # fmt: skip
 
 
 def _top_logits_reason(topk: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:

@@ -116,12 +116,21 @@ def _match_values(family: Family, match: _compat.Match) -> dict[str, Any]:
     return out
 
 
+_SAME_NODE_SUFFIX = ": one path matched as both"
+
+
 def _same_node_reason(family: Family, match: _compat.Match) -> Reason:
     for a, b in family.distinct_inputs:
         node = match.kwargs.get(a)
         if isinstance(node, torch.fx.Node) and node is match.kwargs.get(b):
-            return f"{a} and {b} bound to the same node {node.name}: one path matched as both"
+            return f"{a} and {b} bound to the same node {node.name}{_SAME_NODE_SUFFIX}"
     return None
+
+
+def is_binding_artefact(reason: str) -> bool:
+    """A decline for the matcher's own wrong binding (q's and k's paths matched to one node),
+    which says nothing about the model's code: the report leaves it out beside any other reason."""
+    return reason.endswith(_SAME_NODE_SUFFIX)
 
 
 _CYCLE_PREFIX = "bound another site's node:"
