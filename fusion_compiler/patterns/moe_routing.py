@@ -7,6 +7,10 @@ named. Each variant fixes the rest of the math:
 
 * ``sigmoid_bias``: sigmoid scores, + a correction bias for the choice only, top-k, weights
   gathered from the *unbiased* scores, renormalised (HF MiniMax-M2.5's ``MiniMaxM2TopKRouter``).
+* ``sigmoid_bias_renorm_eps``: the same choice (no groups) with the grouped routes' weights, over
+  ``sum + renorm_eps`` and times ``scale`` (HF HY-V3's ``HYV3TopKRouter`` on its fp32 GEMM and
+  AfMoE's ``AfmoeTokenChoiceRouter`` on its GEMM cast to fp32: eps 1e-20, any scale, 1 included).
+  A renormalisation with no eps stays ``sigmoid_bias``'s, a scale after it outside the fused op.
 * ``sigmoid_bias_grouped``: DeepSeek V3/V3.2's ``noaux_tc`` routing (HF ``DeepseekV3TopkRouter``,
   ``DeepseekV32TopkRouter``, ``Glm4MoeTopkRouter``): sigmoid + bias, each group scored by the sum
   of its 2 best experts, the ``topk_group`` best groups kept (the others masked to -inf), top-k,
@@ -28,6 +32,9 @@ named. Each variant fixes the rest of the math:
   dtype after, outside the match). The k best of E softmax scores sum to at least k / E, so a min
   below that never binds and the clamp is the plain renormalisation (``_clamp_reason``: the guard
   reads the min from the graph and declines a min of k / E or more).
+* ``softmax_bias_unnormalised``: the same choice, the unbiased scores gathered and scaled, not
+  renormalised (HF LongCat-Flash's ``LongcatFlashTopkRouter``, ``routed_scaling_factor``; its bias
+  is added as a row, ``unsqueeze(0)``: a [1, E] bias is the op's [E]).
 * ``softmax``: softmax in fp32, top-k, renormalised, cast back to the logits' dtype (HF Qwen3.5,
   and Qwen3-MoE / Qwen3-Next / OLMoE with ``norm_topk_prob=True``).
 * ``softmax_unnormalised``: the same without renormalising (``norm_topk_prob=False``, HF's default
@@ -86,11 +93,29 @@ _SCALARS = {"top_k": _TOP_K, "n_group": _N_GROUP, "topk_group": _TOPK_GROUP, "re
             "renorm_min": _RENORM_MIN, "scale": _SCALE}  # fmt: skip
 
 
-def sigmoid_bias(logits, bias, top_k):
-    scores = torch.sigmoid(logits.float())
+def _biased_choice(scores, bias, top_k):
+    """The top-k experts of the scores + a correction bias, and their *unbiased* scores."""
     _, ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False)
-    weights = scores.gather(1, ids)
+    return scores.gather(1, ids), ids
+
+
+def _renormalised(weights, renorm_eps, scale):
+    """``w / (w.sum() + renorm_eps) * scale``, the op's renormalisation in its order."""
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
+    return weights * scale
+
+
+def sigmoid_bias(logits, bias, top_k):
+    weights, ids = _biased_choice(torch.sigmoid(logits.float()), bias, top_k)
     return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def sigmoid_bias_renorm_eps(logits, bias, top_k, renorm_eps, scale):
+    """``sigmoid_bias``'s ungrouped choice with the grouped routes' weights: over their sum + an
+    eps, then scaled (HF HY-V3's ``HYV3TopKRouter`` on its fp32 GEMM, AfMoE's
+    ``AfmoeTokenChoiceRouter`` on its GEMM cast to fp32; 1e-20 both)."""
+    weights, ids = _biased_choice(torch.sigmoid(logits.float()), bias, top_k)
+    return _renormalised(weights, renorm_eps, scale), ids
 
 
 def _scattered_group_mask(group_scores, group_idx, n_group):
@@ -118,9 +143,7 @@ def _experts_of_top_groups(choice, top_k, n_group, topk_group):
 def sigmoid_bias_grouped(logits, bias, top_k, n_group, topk_group, renorm_eps, scale):
     scores = logits.sigmoid()
     ids = _experts_of_top_groups(scores + bias, top_k, n_group, topk_group)
-    weights = scores.gather(1, ids)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
-    return weights * scale, ids
+    return _renormalised(scores.gather(1, ids), renorm_eps, scale), ids
 
 
 def sigmoid_bias_grouped_unnormalised(logits, bias, top_k, n_group, topk_group, scale):
@@ -134,10 +157,16 @@ def softmax_bias(logits, bias, top_k, renorm_min):
     for the choice only, the *unbiased* scores gathered at the ids, renormalised by
     ``clamp(sum, min=moe_norm_min)``. The k best of E softmax scores sum to at least k / E, so a
     clamp below that never binds (the guard checks): the op's plain renormalisation."""
-    scores = torch.softmax(logits, dim=1, dtype=torch.float)
-    _, ids = torch.topk(scores + bias, top_k, dim=-1)
-    weights = torch.gather(scores, dim=-1, index=ids)
+    weights, ids = _biased_choice(torch.softmax(logits, dim=1, dtype=torch.float), bias, top_k)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=renorm_min), ids
+
+
+def softmax_bias_unnormalised(logits, bias, top_k, scale):
+    """Softmax of the fp32 logits + a correction bias for the choice only, the *unbiased* scores
+    gathered at the ids and scaled, not renormalised (HF LongCat-Flash's ``LongcatFlashTopkRouter``,
+    ``routed_scaling_factor``)."""
+    weights, ids = _biased_choice(torch.softmax(logits, dim=1, dtype=torch.float), bias, top_k)
+    return weights * scale, ids
 
 
 def softmax(logits, top_k):
@@ -255,8 +284,11 @@ ROUTES = (
     ("sigmoid_bias_topk_group_1", _one_group_kept(sigmoid_bias_grouped), {**_GROUPED, "topk_group": 1}),
     ("sigmoid_bias_topk_group_1_unnormalised", _one_group_kept(sigmoid_bias_grouped_unnormalised),
      {**_GROUPED, **_UNNORMALISED, "topk_group": 1}),
+    ("sigmoid_bias_renorm_eps", sigmoid_bias_renorm_eps, {"scoring": "sigmoid"}),
     ("sigmoid_bias", sigmoid_bias, {"scoring": "sigmoid"}),
     ("softmax_bias", softmax_bias, {"scoring": "softmax", "fp32_logits": True}),
+    ("softmax_bias_unnormalised", softmax_bias_unnormalised,
+     {"scoring": "softmax", "fp32_logits": True, **_UNNORMALISED}),
     ("softmax_fp32_weights", softmax_fp32_weights, {"scoring": "softmax", "weights_dtype": torch.float32}),
     ("softmax", softmax, {"scoring": "softmax"}),
     ("softmax_unnormalised", softmax_unnormalised, {"scoring": "softmax", **_UNNORMALISED}),
@@ -296,6 +328,8 @@ def example_inputs(variant: Variant, combo) -> list:
         return None  # DeepSeek and Ernie route on fp32 logits (an fp32 router GEMM: fp32_gemm's trace)
     if variant.params.get("weights_dtype") == _logits_dtype(variant, dtype):
         return None  # without a cast back, the same trace as the route that casts back
+    if variant.params.get("gemm") == "gemm" and not variant.params.get("shared_gate") and dtype == torch.float32:
+        return None  # fp32 operands: fp32_gemm's fp32 trace (.float() of fp32 is itself), registered before it
     experts = _GROUPED_EXPERTS if grouped else _EXPERTS
     tokens = _TOKENS if grouped else 3
     if variant.params.get("gemm"):
@@ -376,10 +410,17 @@ def guard(values: Mapping[str, Any], variant: Variant) -> Reason:
             return reason
     bias = values.get("bias")
     if bias is not None:
-        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts,):
+        # [E], or one row [1, E] broadcast over the tokens (LongCat-Flash's ``bias.unsqueeze(0)``)
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) not in ((experts,), (1, experts)):
             return f"the bias is {tuple(getattr(bias, 'shape', ()))}, not one value per expert [{experts}]"
         if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the bias is {bias.dtype}; the routing kernel takes an fp32, bf16 or fp16 bias"
+    for name in {"renorm_eps", "scale"} & set(_route_params(variant)):
+        value = values.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"{name} is not a constant number (got {value})"
+        if name == "renorm_eps" and value < 0:
+            return f"the renormalisation adds {value} to the sum; the fused routing adds an eps >= 0"
     if "renorm_min" in _route_params(variant):
         return _clamp_reason(values, experts, top_k)
     return None
@@ -445,9 +486,6 @@ def _group_reason(values, variant: Variant, experts: int, top_k: int) -> Reason:
         return f"topk_group {topk_group} is not in [1, {n_group}]"
     if top_k > topk_group * (experts // n_group):
         return f"top_k {top_k} is larger than the {topk_group * (experts // n_group)} experts left unmasked"
-    for name in {"renorm_eps", "scale"} & set(_route_params(variant)):
-        if not isinstance(values.get(name), (int, float)):
-            return f"{name} is not a constant number (got {values.get(name)})"
     return None
 
 
@@ -459,7 +497,9 @@ def _routing_args(variant: Variant, logits_dtype: torch.dtype, args) -> tuple:
     params = variant.params
     softmax_scores = params["scoring"] == "softmax"
     weights_dtype = params.get("weights_dtype", logits_dtype if softmax_scores else torch.float32)
-    return (named.get("bias"), named["top_k"], named.get("n_group", 1), named.get("topk_group", 1),
+    bias = named.get("bias")
+    bias = bias.reshape(-1) if bias is not None and bias.dim() == 2 else bias  # a [1, E] row: the op's [E]
+    return (bias, named["top_k"], named.get("n_group", 1), named.get("topk_group", 1),
             route_ops.SCORING[params["scoring"]], params.get("renormalise", True), float(named.get("renorm_eps", 0.0)),
             float(named.get("scale", 1.0)), weights_dtype)  # fmt: skip
 
@@ -690,10 +730,11 @@ def _weights_steps(gathered: torch.fx.Node) -> tuple[tuple[str, float] | None, f
 def _weights_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
     """A router choosing by biased scores, no groups, whose weights (the unbiased scores gathered
     at its ids) are not what the variants make of them: those divide sigmoid scores in fp32 by
-    their plain sum (MiniMax-M2's; + eps only after DeepSeek-V3's group choice) and softmax scores
-    by ``clamp(sum, min)`` (Ernie 4.5's). A scale after that stays outside the fused op: said
-    with the rest, never the reason alone. None where the router does what a variant does
-    (another departure: the variants' reasons)."""
+    their plain sum (MiniMax-M2's) or by their sum + an eps and then scale them (HY-V3's), and take
+    softmax scores over ``clamp(sum, min)`` (Ernie 4.5's) or not renormalised and scaled
+    (LongCat-Flash's). A scale after a plain sum stays outside the fused op: said with the rest,
+    never the reason alone. None where the router does what a variant does (another departure:
+    the variants' reasons)."""
     if getattr(topk.args[0], "target", None) is not aten.add.Tensor:
         return None
     gathered = _gathered(topk, scores)
@@ -702,9 +743,10 @@ def _weights_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torc
     renorm, scale, last = _weights_steps(gathered)
     scoring, dtype = _scoring(scores), getattr(scores.meta.get("val"), "dtype", None)
     narrow = dtype is not None and dtype != torch.float32
-    if scoring == "sigmoid" and renorm == ("sum", 0.0) and not narrow:
+    scaled = scale is not None
+    if scoring == "sigmoid" and not narrow and renorm is not None and renorm[0] == "sum" and (renorm[1] == 0 or scaled):
         return None
-    if scoring == "softmax" and renorm is not None and renorm[0] == "clamp":
+    if scoring == "softmax" and (renorm[0] == "clamp" if renorm is not None else scaled):
         return None
     if renorm is None:
         steps = ", not renormalised"
@@ -716,11 +758,11 @@ def _weights_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torc
     dtype_name = str(dtype).removeprefix("torch.")
     where = f", all in {dtype_name} (the sigmoid of its {dtype_name} logits)" if narrow else ""
     if scoring == "sigmoid":
-        takes = ("divides an ungrouped sigmoid router's weights, in fp32, by their plain sum (MiniMax-M2's), and "
-                 "adds an eps to the sum only after DeepSeek-V3's group choice")  # fmt: skip
+        takes = ("divides an ungrouped sigmoid router's weights, in fp32, by their plain sum (MiniMax-M2's) or by "
+                 "their sum + an eps and then scales them (HY-V3's)")  # fmt: skip
     else:
-        takes = ("takes a softmax router with a correction bias only as Ernie 4.5 writes it, its weights divided by "
-                 "clamp(sum, min)")  # fmt: skip
+        takes = ("takes a softmax router with a correction bias, in fp32, its weights divided by clamp(sum, min) "
+                 "(Ernie 4.5's) or not renormalised and scaled (LongCat-Flash's)")  # fmt: skip
     return last, (f"the router weights its top-k experts by their unbiased {scoring} scores{steps}{where}, with no "
                   f"expert groups: the fused routing {takes}")  # fmt: skip
 

@@ -267,6 +267,9 @@ ROUTERS = {
 TINY_ROUTERS = {
     "tiny-grouped": (96, 32, (4, 4, 2, 0, True, 1e-20, 2.5, torch.float32), torch.float32, True, False),
     "tiny-softmax-gate": (64, 24, (3, 1, 1, 1, True, 0.0, 1.0, torch.bfloat16), torch.bfloat16, False, True),
+    "tiny-sigmoid-bias-renorm-eps": (64, 32, (4, 1, 1, 0, True, 1e-20, 2.826, torch.float32), torch.float32, True, False),
+    "tiny-sigmoid-bias-renorm-eps-bf16": (64, 32, (4, 1, 1, 0, True, 1e-20, 2.0, torch.float32), torch.bfloat16, True, False),
+    "tiny-softmax-bias-unnormalised": (64, 32, (4, 1, 1, 1, False, 0.0, 6.0, torch.float32), torch.float32, True, False),
 }
 
 

@@ -17,12 +17,20 @@ the blocks' output equal to eager's within bf16 rounding, on random router weigh
   is declined in one sentence; Laguna's router (sigmoid + a bf16 correction bias, the weights
   gathered at ``gather(-1, ids)``) fuses with its GEMM, and from its soft-capped logits
   (``moe_router_logit_softcapping``) without it.
+- Routers whose math is the fused routing's with a scale, no code of theirs: HY-V3's and AfMoE's
+  sigmoid + correction bias, no groups, weights over ``sum + 1e-20`` and scaled, fuse as
+  ``sigmoid_bias_renorm_eps`` (HY-V3's fp32 GEMM, AfMoE's bf16 GEMM cast to fp32; LFM2-MoE's in
+  fp32 too), LongCat-Flash's softmax + correction bias, scaled, not renormalised, as
+  ``softmax_bias_unnormalised``; against eager and float64, in bf16 and fp32. LFM2-MoE's bf16
+  router (its sigmoid and weights in bf16) stays a miss, in one sentence.
 - The one-group mask's three graphs: HF's scatter (Inductor's rewrite off), torch 2.11's rewrite
   (an int64 compare: the H200's GLM-4.5 routing was a miss on it) and 2.13's (cast back) are one
   graph after canonicalize; the cases with the rewrite off fuse by the same variant.
 - Near misses: softmax over the tokens; the weights gathered from the biased choice (sigmoid or
   softmax scores); a clamp min the renormalisation could reach (k / E); scores that are neither
-  sigmoid nor softmax; one group kept of several, groups scored by their best expert alone.
+  sigmoid nor softmax; one group kept of several, groups scored by their best expert alone; the
+  scaled routes one step off (no eps: ``sigmoid_bias`` as before, the scale outside; an eps and no
+  scale; sigmoid not renormalised; softmax renormalised; a scale that is a tensor).
 """
 
 from __future__ import annotations
@@ -96,10 +104,10 @@ def _hf_blocks(model_type: str, block_class: str, fields: dict, layers: int = 2)
     with torch.no_grad():
         for name, p in blocks.named_parameters():
             # Router logits spread over a few units, so no two experts' scores are near a tie.
-            router = name.endswith(("gate.weight", "router.weight"))
+            router = name.endswith(("gate.weight", "router.weight", "classifier.weight"))
             p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if router else 0.05))
         for name, b in blocks.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return blocks.to(torch.bfloat16).eval()  # PhiMoE's sparsemixer samples in training
 
@@ -283,6 +291,11 @@ def test_near_misses_do_not_match_and_say_why(spelling, reason):
 # Neighbouring HF routers, no code of theirs: (model, MoE block, config, router's module name,
 # the variant that must fuse both blocks' routers, or the reason both are declined with).
 _ERNIE = dict(_SOFTMAX, moe_num_experts=8, moe_k=2, moe_num_shared_experts=0)
+_LONGCAT = dict(_TINY, n_routed_experts=4, zero_expert_num=4, num_experts_per_tok=2, expert_ffn_hidden_size=32)
+_LFM2_BF16 = ("the router weights its top-k experts by their unbiased sigmoid scores over their sum + 1e-06, times 1, "
+              "all in bfloat16 (the sigmoid of its bfloat16 logits), with no expert groups: the fused routing divides "
+              "an ungrouped sigmoid router's weights, in fp32, by their plain sum (MiniMax-M2's) or by their sum + an "
+              "eps and then scales them (HY-V3's)")  # fmt: skip
 ZOO = {
     # Top-k of the logits, softmax over those k: softmax -> top-k -> renormalise, one more spelling.
     "granitemoe": ("granitemoe", "GraniteMoeMoE", _SOFTMAX, "router", "softmax_of_top_logits+gemm", None),
@@ -299,6 +312,15 @@ ZOO = {
     # The same on soft-capped logits, tanh(logits / c) * c: the cap stays Inductor's, the routing fuses.
     "laguna_softcap": ("laguna", "LagunaSparseMoeBlock", dict(_SOFTMAX, moe_router_logit_softcapping=30.0), "gate",
                        "sigmoid_bias", None),
+    # Sigmoid + a correction bias, no groups, the weights over sum + 1e-20 and scaled: HY-V3's fp32 GEMM
+    # (router_scaling_factor 2.826), AfMoE's bf16 GEMM cast to fp32 (route_scale 1, its default).
+    "hy_v3": ("hy_v3", "HYV3MoE", _SOFTMAX, "gate", "sigmoid_bias_renorm_eps+fp32_gemm", None),
+    "afmoe": ("afmoe", "AfmoeSparseMoeBlock", _SOFTMAX, "router", "sigmoid_bias_renorm_eps+gemm", None),
+    # Softmax + a correction bias added as a [1, E] row, the unbiased scores times 6, not renormalised.
+    "longcat_flash": ("longcat_flash", "LongcatFlashMoE", _LONGCAT, "router", "softmax_bias_unnormalised+fp32_gemm",
+                      None),
+    # HY-V3's routing math (eps 1e-6) with the sigmoid and the weights in bf16: a precision apart.
+    "lfm2_moe": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(_SOFTMAX, use_expert_bias=True), "gate", None, _LFM2_BF16),
 }  # fmt: skip
 
 
@@ -461,3 +483,164 @@ def test_top_logits_weighted_by_another_function_is_a_miss_that_names_it():
     assert miss.reason == ("the router weights the top k of its raw logits as sigmoid(logits); the fused routing "
                            "weights them by a softmax over those k")  # fmt: skip
     torch.testing.assert_close(fused, eager)
+
+
+# HF routers whose math is the fused routing's with a scale: model -> (router class, config, its router
+# weight, scoring, renorm eps (None: not renormalised), the scale's attribute, whether it takes the bias).
+_SCALED = dict(_TINY, num_experts=32, num_local_experts=32, num_experts_per_tok=4)
+SCALED_ROUTERS = {
+    "hy_v3": ("HYV3TopKRouter", _SCALED, "weight", "sigmoid", 1e-20, "router_scaling_factor", True),
+    "afmoe": ("AfmoeTokenChoiceRouter", dict(_SCALED, route_scale=2.5), "gate.weight", "sigmoid", 1e-20, "route_scale",
+              True),
+    "longcat_flash": ("LongcatFlashTopkRouter", dict(_LONGCAT, n_routed_experts=24, zero_expert_num=8,
+                                                     num_experts_per_tok=4), "classifier.weight", "softmax", None,
+                      "routed_scaling_factor", False),
+    "lfm2_moe": ("Lfm2MoeTopKRouter", dict(_SCALED, use_expert_bias=True, routed_scaling_factor=1.5), "weight",
+                 "sigmoid", 1e-6, "routed_scaling_factor", True),
+}  # fmt: skip
+
+
+class _RoutingOnly(torch.nn.Module):
+    """An HF router (with ``bias`` passed in, where it takes one), returning its weights and ids (its
+    logits dead, as in the MoE blocks: the GEMM forms match) or, ``keep_logits``, all it returns
+    (the logits too: fused from them)."""
+
+    def __init__(self, router, bias, keep_logits):
+        super().__init__()
+        self.router, self.keep_logits = router, keep_logits
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        out = self.router(x) if self.bias is None else self.router(x, self.bias)
+        return out if self.keep_logits else out[-2:]
+
+
+def _scaled_router(model_type: str, dtype: torch.dtype, keep_logits: bool):
+    """HF's router at tiny widths in ``dtype``, random weights and correction bias (fp32, as HF
+    keeps HY-V3's, AfMoE's and LFM2-MoE's; LongCat-Flash's own buffer cast with the router), and
+    9 tokens in ``dtype`` ([1, 9, H]; LFM2-MoE's block hands its router [9, H])."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    cls, fields, *_, takes_bias = SCALED_ROUTERS[model_type]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    router = getattr(module, cls)(AutoConfig.for_model(model_type, **fields))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in router.parameters():  # logits spread over a few units: no near ties
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        for b in router.buffers():  # LongCat-Flash's own correction bias
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    bias = torch.randn(32, generator=gen) * 0.1 if takes_bias else None
+    x = torch.randn(1, 9, fields["hidden_size"], generator=gen).to(dtype)
+    x = x.view(9, -1) if model_type == "lfm2_moe" else x
+    return _RoutingOnly(router.to(dtype), bias, keep_logits), x
+
+
+def _scaled_float64(model_type: str, module: _RoutingOnly, x):
+    """The HF router's math in float64 after its GEMM (AfMoE's and LFM2-MoE's in the weight's
+    dtype, HY-V3's and LongCat-Flash's in fp32, as HF rounds them): (weights, ids, each token's gap
+    in the biased choice between its k-th and (k+1)-th experts)."""
+    _, _, weight, scoring, eps, scale, takes_bias = SCALED_ROUTERS[model_type]
+    router = module.router
+    w = router.get_parameter(weight)
+    x = x.view(-1, x.shape[-1])
+    in_weight_dtype = model_type in ("afmoe", "lfm2_moe")
+    logits = torch.nn.functional.linear(x, w).double() if in_weight_dtype else x.double() @ w.double().t()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    bias = module.bias if takes_bias else router.e_score_correction_bias
+    choice, ids = (scores + bias.double()).topk(router.top_k + 1)
+    weights = scores.gather(1, ids[:, :-1])
+    if eps is not None:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * getattr(router, scale), ids[:, :-1], choice[:, -2] - choice[:, -1]
+
+
+@pytest.mark.parametrize("model_type, dtype, keep_logits, variant", [
+    ("hy_v3", torch.bfloat16, False, "sigmoid_bias_renorm_eps+fp32_gemm"),
+    ("hy_v3", torch.float32, False, "sigmoid_bias_renorm_eps+fp32_gemm"),
+    ("hy_v3", torch.bfloat16, True, "sigmoid_bias_renorm_eps"),  # its logits returned: fused from them
+    ("afmoe", torch.bfloat16, False, "sigmoid_bias_renorm_eps+gemm"),
+    ("afmoe", torch.float32, False, "sigmoid_bias_renorm_eps+fp32_gemm"),  # fp32 operands: the same GEMM
+    ("afmoe", torch.bfloat16, True, "sigmoid_bias_renorm_eps"),
+    ("longcat_flash", torch.bfloat16, False, "softmax_bias_unnormalised+fp32_gemm"),
+    ("longcat_flash", torch.float32, False, "softmax_bias_unnormalised+fp32_gemm"),
+    # LFM2-MoE's routing in fp32 is the same math (its bf16 one a precision apart: ZOO's miss).
+    ("lfm2_moe", torch.float32, False, "sigmoid_bias_renorm_eps+fp32_gemm"),
+])  # fmt: skip
+def test_scaled_bias_routers_route_like_eager_and_float64(model_type, dtype, keep_logits, variant):
+    """HF's router, fused by the named variant, against eager and against its math in float64 on
+    fresh random weights: the same experts (any order: HF asks ``sorted=False``), fp32 weights
+    within bf16 rounding of eager's and fp32 rounding of float64's."""
+    module, x = _scaled_router(model_type, dtype, keep_logits)
+    backend = fc.FusionBackend(_config_only())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        w, ids = torch.compile(module, backend=backend)(x)[-2:]
+        w_eager, ids_eager = module(x)[-2:]
+    assert _routing_variants(backend.report) == {variant: 1}
+    w64, ids64, gap = _scaled_float64(model_type, module, x)
+    assert gap.min() > 1e-5  # no near tie: fp32 rounding cannot swap the k-th expert
+    order, order_eager, order64 = ids.sort(-1), ids_eager.sort(-1), ids64.sort(-1)
+    assert torch.equal(order.values, order_eager.values) and torch.equal(order.values, order64.values)
+    w, w_eager, w64 = (t.gather(1, o.indices) for t, o in ((w, order), (w_eager, order_eager), (w64, order64)))
+    assert w.dtype == w_eager.dtype == torch.float32
+    torch.testing.assert_close(w, w_eager, atol=0, rtol=2**-8)
+    torch.testing.assert_close(w.double(), w64, atol=0, rtol=1e-5)
+
+
+class ScaledNearMiss(torch.nn.Module):
+    """HY-V3's (or LongCat-Flash's) routing one step off, in fp32, its logits dead."""
+
+    def __init__(self, spelling, experts=16, hidden=32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(4)
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen))
+        self.register_buffer("bias", 0.1 * torch.randn(experts, generator=gen))
+        self.spelling = spelling
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        softmax = self.spelling.startswith("softmax")
+        scores = torch.softmax(logits, dim=-1) if softmax else torch.sigmoid(logits)
+        _, ids = torch.topk(scores + self.bias, 4, dim=-1, sorted=False)
+        weights = scores.gather(1, ids)
+        if self.spelling in ("plain_sum_scaled", "softmax_renormalised_scaled"):  # MiniMax's w / sum, then a scale
+            return weights / weights.sum(dim=-1, keepdim=True) * 2.5, ids
+        if self.spelling == "eps_unscaled":
+            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+        if self.spelling == "unnormalised_scaled":
+            return weights * 2.5, ids
+        assert self.spelling == "tensor_scale"  # a scale read from a buffer, not a number
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.bias[:1], ids
+
+
+_SIGMOID_TAKES = ("with no expert groups: the fused routing divides an ungrouped sigmoid router's weights, in fp32, by "
+                  "their plain sum (MiniMax-M2's) or by their sum + an eps and then scales them (HY-V3's)")
+
+
+@pytest.mark.parametrize("spelling, variants, reason", [
+    # No eps: the plain renormalisation's old variant, the scale left outside the fused op.
+    ("plain_sum_scaled", {"sigmoid_bias+fp32_gemm": 1}, None),
+    ("eps_unscaled", {}, "the router weights its top-k experts by their unbiased sigmoid scores over their sum + "
+                         "1e-20, " + _SIGMOID_TAKES),
+    ("unnormalised_scaled", {}, "the router weights its top-k experts by their unbiased sigmoid scores, not "
+                                "renormalised, times 2.5, " + _SIGMOID_TAKES),
+    ("softmax_renormalised_scaled", {}, "the router weights its top-k experts by their unbiased softmax scores "
+                                        "over their sum, times 2.5, with no expert groups: the fused routing takes a "
+                                        "softmax router with a correction bias, in fp32, its weights divided by "
+                                        "clamp(sum, min) (Ernie 4.5's) or not renormalised and scaled "
+                                        "(LongCat-Flash's)"),
+    ("tensor_scale", {}, "sigmoid_bias_renorm_eps+fp32_gemm: scale is not a constant number"),
+])  # fmt: skip
+def test_scaled_routes_one_step_off_keep_their_variant_or_say_why(spelling, variants, reason):
+    report, eager, fused = _compile_router(ScaledNearMiss(spelling))
+    assert _routing_variants(report) == variants
+    if reason is not None:
+        [miss] = report.misses(FAMILY)
+        assert miss.reason.startswith(reason), miss.reason
+    (w_f, ids_f), (w_e, ids_e) = fused, eager
+    order_f, order_e = ids_f.sort(-1), ids_e.sort(-1)
+    assert torch.equal(order_f.values, order_e.values)
+    torch.testing.assert_close(w_f.gather(1, order_f.indices), w_e.gather(1, order_e.indices))

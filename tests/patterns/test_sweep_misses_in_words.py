@@ -2,11 +2,13 @@
 the matcher's terms ("closest variant ...: at add_26 the model has ..."), each now one sentence
 about the model's code, asserted whole, on HF's own classes at tiny widths.
 
-- Routers (HF's router modules, routing alone, one compile for all five): AfMoE's and HY-V3's
-  sigmoid + correction bias with the weights over ``sum + 1e-20`` and scaled, without groups;
-  LFM2-MoE's the same in bf16 (its sigmoid taken on the bf16 logits), over ``sum + 1e-6``;
-  LongCat-Flash's softmax + correction bias, scaled, not renormalised; DeepSeek-V2's
-  ``group_limited_greedy`` (groups scored by their best softmax score, the rest masked to 0).
+- Routers (HF's router modules, routing alone, one compile for all five): LFM2-MoE's sigmoid +
+  correction bias, its weights over ``sum + 1e-6`` and scaled, without groups, all in bf16 (its
+  sigmoid taken on the bf16 logits); DeepSeek-V2's ``group_limited_greedy`` (groups scored by
+  their best softmax score, the rest masked to 0). The three of the sweep whose math is the fused
+  routing's fuse since: AfMoE's and HY-V3's the same sigmoid routing in fp32 over ``sum + 1e-20``
+  (``sigmoid_bias_renorm_eps``), LongCat-Flash's softmax + correction bias, scaled, not
+  renormalised (``softmax_bias_unnormalised``).
 - Norms: NemotronH's Mamba mixer norm (``Zamba2RMSNormGated``: the gate before the norm, the
   mean over a [.., groups, width / groups] view), in one group and in two.
 - Attention (whole tiny models, one decoder layer, the two prologue families on): Cohere's
@@ -55,18 +57,17 @@ ROUTERS = {
     "deepseek_v2": ("DeepseekV2TopkRouter", dict(_MOE, n_routed_experts=8, topk_method="group_limited_greedy",
                                                  n_group=4, topk_group=2, routed_scaling_factor=16.0), False),
 }  # fmt: skip
-_SIGMOID_TAKES = ("with no expert groups: the fused routing divides an ungrouped sigmoid router's weights, in fp32, "
-                  "by their plain sum (MiniMax-M2's), and adds an eps to the sum only after DeepSeek-V3's group choice")
+# The routers whose math is the fused routing's: router -> the variant that fuses it.
+ROUTER_FUSES = {
+    "afmoe": "sigmoid_bias_renorm_eps+gemm",  # a bf16 GEMM cast to fp32
+    "hy_v3": "sigmoid_bias_renorm_eps+fp32_gemm",
+    "longcat_flash": "softmax_bias_unnormalised+fp32_gemm",
+}
 ROUTER_MISSES = {
-    "afmoe": "the router weights its top-k experts by their unbiased sigmoid scores over their sum + 1e-20, times 2, "
-             + _SIGMOID_TAKES,
-    "hy_v3": "the router weights its top-k experts by their unbiased sigmoid scores over their sum + 1e-20, times "
-             "2.826, " + _SIGMOID_TAKES,
     "lfm2_moe": "the router weights its top-k experts by their unbiased sigmoid scores over their sum + 1e-06, times "
-                "1, all in bfloat16 (the sigmoid of its bfloat16 logits), " + _SIGMOID_TAKES,
-    "longcat_flash": "the router weights its top-k experts by their unbiased softmax scores, not renormalised, times "
-                     "6, with no expert groups: the fused routing takes a softmax router with a correction bias only "
-                     "as Ernie 4.5 writes it, its weights divided by clamp(sum, min)",
+                "1, all in bfloat16 (the sigmoid of its bfloat16 logits), with no expert groups: the fused routing "
+                "divides an ungrouped sigmoid router's weights, in fp32, by their plain sum (MiniMax-M2's) or by "
+                "their sum + an eps and then scales them (HY-V3's)",
     "deepseek_v2": "the router keeps the 2 of 4 expert groups with the highest best softmax score (max over each "
                    "group), masks the others' scores to 0 and weights its top-k experts by their softmax scores "
                    "(DeepSeek-V2's group_limited_greedy): the fused routing groups only sigmoid scores + a correction "
@@ -132,12 +133,13 @@ def routers_and_norms():
     return backend.report, eager, fused
 
 
-def test_routers_the_variants_do_not_take_say_how_they_weight_their_experts():
+def test_routers_fuse_or_say_how_they_weight_their_experts():
     report, eager, fused = routers_and_norms()
-    assert {v: n for v, n in report.per_variant().items() if v.startswith(("softmax", "sigmoid"))} == {}
+    assert report.per_module(ROUTING) == {f"routers.{name}": 1 for name in ROUTER_FUSES}
+    assert report.per_variant() == dict.fromkeys(ROUTER_FUSES.values(), 1)
     misses = {m.module.removeprefix("routers."): m.reason for m in report.misses(ROUTING)}
     assert misses == ROUTER_MISSES
-    for i in range(0, 2 * len(ROUTERS), 2):  # Inductor's own kernels: the same experts, in any order (sorted=False)
+    for i in range(0, 2 * len(ROUTERS), 2):  # fused or Inductor's: eager's experts, in any order (sorted=False)
         (w_e, ids_e), (w_f, ids_f) = eager[i : i + 2], fused[i : i + 2]
         order_e, order_f = ids_e.sort(-1), ids_f.sort(-1)
         assert torch.equal(order_f.values, order_e.values)
@@ -146,7 +148,7 @@ def test_routers_the_variants_do_not_take_say_how_they_weight_their_experts():
 
 def test_nemotron_h_mixer_norm_says_the_gate_comes_first():
     report, eager, fused = routers_and_norms()
-    assert report.per_variant() == {}
+    assert report.per_module(NORM) == {}
     assert {m.module.removeprefix("norms."): m.reason for m in report.misses(NORM)} == NORM_MISSES
     for want, got in zip(eager[2 * len(ROUTERS):], fused[2 * len(ROUTERS):]):
         assert relative_error(got, want) < 1e-2
