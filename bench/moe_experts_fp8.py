@@ -42,14 +42,28 @@ rewritten after every row. On CPU (--device cpu --tiny, the test) the ours modes
 CUDA dispatch (the Triton kernels the GPU launches) under Triton's interpreter, stock_fp8
 compiles with aot_eager, and nothing is timed.
 
+--sweep: after each model's rows, our FP8 launcher (small batch at <= SMALL_BATCH_MAX_TOKENS
+tokens, grouped above) called with explicit configs at each --sweep-tokens (default 1 8 64): the
+default, then SWEEP_SMALL_BATCH's kernel-1 product (kernel 2 at default) and kernel-2 product
+(kernel 1 at default), or SWEEP_GROUPED's fields one at a time; then each stage's fastest fields
+combined. Every config is checked against the FP8 reference on the first set first (a launcher
+error or max_rel_err over TOLERANCE: ``rejected`` with why, not timed), then timed as time_modes
+times (µs, GB/s, % of copy bw over the touched FP8 bytes); "sweep" in the JSON holds one result
+per model and token count (configs, default_us, best, speedup_best_vs_default). --sweep-seconds
+(default 300, time in sweeps only; --seconds counts the rows only): configs not started by then
+are skipped. On CPU every config is checked under the interpreter and none timed.
+
     python bench/moe_experts_fp8.py --out bench/results/moe_experts_fp8_h200.json [--models ...] [--tokens 1 8 64 256]
     TRITON_INTERPRET=1 python bench/moe_experts_fp8.py --device cpu --tiny --out /tmp/moe_experts_fp8_cpu.json
+    python bench/moe_experts_fp8.py --tokens --sweep [--sweep-tokens 1 8 64] --out /tmp/moe_experts_fp8_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -89,6 +103,16 @@ TOUCHED_BYTES = {
 }  # fmt: skip
 MODE_BYTES = {"ours_fp8": "fp8", "ours_bf16": "bf16", "stock_fp8": "fp8"}  # GB/s and % of copy bw over these
 MODE_REFERENCE = {"ours_fp8": "fp8", "ours_bf16": "bf16", "stock_fp8": "bf16"}
+SWEEP_TOKENS = (1, 8, 64)  # two small-batch token counts, one grouped
+SWEEP_SMALL_BATCH = {  # stage (kernel) -> LaunchConfig field -> candidates; a stage's product, the other at default
+    "gate_up": {"gate_up_block_k": (64, 128, 256, 512), "gate_up_warps": (4, 8), "gate_up_stages": (1, 2, 3)},
+    "down": {"down_block_n": (4, 8, 16), "down_block_k": (512, 1024), "down_warps": (2, 4)},
+}  # fmt: skip
+SWEEP_GROUPED = {  # GroupedConfig field -> candidates, one field at a time (a stage each), the rest at default
+    "block_m": (16, 32, 64), "gate_up_warps": (4, 8), "gate_up_stages": (2, 3, 4),
+    "down_block_n": (64, 128, 256), "down_warps": (4, 8), "down_stages": (2, 3, 4),
+}  # fmt: skip
+SWEEP_CALLS, SWEEP_REPLAYS = 2 * ROTATIONS, 20  # time_modes' graph: calls per graph, replays
 
 
 def fp8_bytes_per_expert(hidden: int, inter: int) -> int:
@@ -185,13 +209,20 @@ def time_modes(row: dict, fns: dict, sets: list[dict], env: dict) -> None:
             row[key] = row["modes"][other]["us"] / fp8_us
 
 
+def input_sets(name: str, experts: torch.nn.Module, tokens: int) -> tuple[list[dict], list[int]]:
+    """ROTATIONS routing sets on the experts' device (the bf16 bench's seeds) and each one's distinct experts."""
+    seed = 1000 * tokens + sorted(SPECS).index(name)  # the bf16 bench's
+    gen = torch.Generator(device=experts.gate_up_proj.device).manual_seed(seed)
+    sets = [bf16_bench.routing_set(experts, experts.config.num_experts_per_tok, tokens, SPECS[name], gen)
+            for _ in range(ROTATIONS)]  # fmt: skip
+    return sets, [int(torch.unique(s["top_k_ids"]).numel()) for s in sets]
+
+
 def run_row(name: str, experts: torch.nn.Module, fp8: dict, compiled, tokens: int, args, env: dict) -> dict:
     spec, device, began = SPECS[name], args.device, time.monotonic()
     top_k = experts.config.num_experts_per_tok
     hidden, inter, num_experts = experts.hidden_dim, experts.intermediate_dim, experts.num_experts
-    gen = torch.Generator(device=device).manual_seed(1000 * tokens + sorted(SPECS).index(name))  # bf16 bench's
-    sets = [bf16_bench.routing_set(experts, top_k, tokens, spec, gen) for _ in range(ROTATIONS)]
-    distinct = [int(torch.unique(s["top_k_ids"]).numel()) for s in sets]
+    sets, distinct = input_sets(name, experts, tokens)
     per_fp8, per_bf16 = fp8_bytes_per_expert(hidden, inter), 3 * hidden * inter * 2
     path = "small_batch" if tokens <= fp8_ops.SMALL_BATCH_MAX_TOKENS else "grouped"
     row = {
@@ -220,6 +251,109 @@ def run_row(name: str, experts: torch.nn.Module, fp8: dict, compiled, tokens: in
     return row | {"row_s": time.monotonic() - began}
 
 
+def sweep_stages(path: str) -> dict[str, dict[str, tuple]]:
+    """Stage -> the config fields it varies -> their candidates (SWEEP_SMALL_BATCH or SWEEP_GROUPED)."""
+    return SWEEP_SMALL_BATCH if path == "small_batch" else {f: {f: v} for f, v in SWEEP_GROUPED.items()}
+
+
+def config_label(config, default) -> str:
+    """The fields where ``config`` differs from ``default``, or "default"."""
+    base = dataclasses.asdict(default)
+    diff = [f"{k}={v}" for k, v in dataclasses.asdict(config).items() if base[k] != v]
+    return " ".join(diff) or "default"
+
+
+def run_sweep(name: str, experts: torch.nn.Module, fp8: dict, tokens: int, args, env: dict, over) -> dict:
+    """Our FP8 launcher for ``tokens`` (small batch or grouped, by SMALL_BATCH_MAX_TOKENS) called
+    with explicit configs: the default, each stage's candidates (sweep_stages) off the default,
+    then every stage's fastest fields combined. Each config first against the FP8 reference on the
+    first set (a launcher error or max_rel_err over TOLERANCE: ``rejected`` with why), then on CUDA
+    timed as time_modes times (µs, GB/s and % of copy bw over the touched FP8 bytes). ``over()``:
+    the sweep budget spent (a config not started then goes to ``skipped``)."""
+    device, began = args.device, time.monotonic()
+    top_k = experts.config.num_experts_per_tok
+    hidden, inter, num_experts = experts.hidden_dim, experts.intermediate_dim, experts.num_experts
+    sets, distinct = input_sets(name, experts, tokens)
+    path = "small_batch" if tokens <= fp8_ops.SMALL_BATCH_MAX_TOKENS else "grouped"
+    if path == "small_batch":
+        launcher = fp8_kernels.small_batch_experts_fp8
+        default = fp8_kernels.default_config(tokens, top_k, hidden, inter)
+    else:
+        launcher = fp8_kernels.grouped_experts_fp8
+        default = fp8_kernels.default_grouped_config(tokens, top_k, num_experts, hidden, inter)
+    nbytes = statistics.mean(distinct) * fp8_bytes_per_expert(hidden, inter)
+    result = {
+        "model": name, "tokens": tokens, "path": path, "launcher": f"kernels/moe_experts_fp8.{launcher.__name__}",
+        "default_config": dataclasses.asdict(default), "touched_bytes_fp8": nbytes, "timed": device == "cuda",
+        "timing": {"calls_per_graph": SWEEP_CALLS, "replays": SWEEP_REPLAYS} if device == "cuda" else None,
+        "tolerance": TOLERANCE, "configs": [], "skipped": [],
+    }  # fmt: skip
+    expected = fp8_ops.moe_experts_fp8_reference(**sets[0], **fp8)
+    measured = {}  # config -> its result: the default met again in a stage is not rerun
+
+    def call(config, i):
+        return launcher(**sets[i], **fp8, config=config)
+
+    def measure(stage: str, config) -> None:
+        label = config_label(config, default)
+        if over():
+            result["skipped"].append(f"{stage} {label}")
+            return
+        entry = {"stage": stage, "label": label, "config": dataclasses.asdict(config), "default": config == default}
+        result["configs"].append(entry)
+        if config in measured:
+            entry.update(measured[config], repeat=True)
+            return
+        m = measured[config] = {}
+        try:
+            m["max_rel_err"] = common.max_relative_error(call(config, 0), expected)
+            if not m["max_rel_err"] <= TOLERANCE:  # NaN too
+                m["rejected"] = f"wrong result: max_rel_err {m['max_rel_err']:.3g} > {TOLERANCE:g}"
+            elif device == "cuda":
+                m["us"] = common.graph_time_us(lambda i: call(config, i), ROTATIONS, SWEEP_CALLS, replays=SWEEP_REPLAYS)
+                m["gbs"] = nbytes / m["us"] / 1e3
+                m["pct_copy_bw"] = 100 * m["gbs"] / env["copy_bandwidth_gbs"]
+        except Exception as error:  # noqa: BLE001 - a launcher's ValueError, a compile's out-of-resources: a result
+            m["rejected"] = bf16_bench.error_string(error)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        entry.update(m)
+        shown = m.get("rejected") or (f"{m['us']:.1f} us, {m['gbs']:.0f} GB/s ({m['pct_copy_bw']:.0f}% copy bw)"
+                                      if "us" in m else f"max rel err {m['max_rel_err']:.2e}")  # fmt: skip
+        print(f"  sweep {name} T={tokens} {stage} {label}: {shown}", flush=True)
+
+    stages = sweep_stages(path)
+    measure("default", default)
+    for stage, axes in stages.items():
+        for values in itertools.product(*axes.values()):
+            measure(stage, dataclasses.replace(default, **dict(zip(axes, values, strict=True))))
+    timed = [e for e in result["configs"] if "us" in e]
+    if timed:  # on CPU nothing is timed: no fastest to combine
+        fields = {}
+        for stage, axes in stages.items():
+            fastest = min((e for e in timed if e["stage"] in (stage, "default")), key=lambda e: e["us"])
+            fields.update({f: fastest["config"][f] for f in axes})
+        measure("combined", dataclasses.replace(default, **fields))
+        timed = [e for e in result["configs"] if "us" in e]
+    default_entry = measured.get(default, {})  # absent: the budget was spent before it
+    best = min(timed, key=lambda e: e["us"]) if timed else None
+    result.update(
+        checked=len(measured), rejected=sum("rejected" in m for m in measured.values()),
+        default_us=default_entry.get("us"), default_gbs=default_entry.get("gbs"),
+        default_pct_copy_bw=default_entry.get("pct_copy_bw"),
+        best={k: best[k] for k in ("stage", "label", "config", "us", "gbs", "pct_copy_bw")} if best else None,
+        speedup_best_vs_default=default_entry["us"] / best["us"] if best and "us" in default_entry else None,
+        sweep_s=time.monotonic() - began,
+    )  # fmt: skip
+    head = f"sweep {name} T={tokens} {path}: {result['checked']} configs, {result['rejected']} rejected"
+    if best and result["default_us"]:
+        head += (f"; default {result['default_us']:.1f} us ({result['default_pct_copy_bw']:.0f}% copy bw), best "
+                 f"{best['us']:.1f} us ({best['pct_copy_bw']:.0f}%: {best['label']}), "
+                 f"{result['speedup_best_vs_default']:.2f}x")  # fmt: skip
+    print(head, flush=True)
+    return result
+
+
 def summary(row: dict) -> str:
     return " | ".join(bf16_bench.summary_parts(row, ("speedup_fp8_vs_bf16", "speedup_fp8_vs_stock_fp8")))
 
@@ -243,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="budget: rows not started by then are skipped")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny widths (the CPU test)")
+    parser.add_argument("--sweep", action="store_true", help="after each model's rows, sweep our FP8 launch shapes")
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=list(SWEEP_TOKENS))
+    parser.add_argument("--sweep-seconds", type=float, default=300.0,
+                        help="sweep budget (time in sweeps only): configs not started by then are skipped")
     args = parser.parse_args(argv)
     common.check_cpu_tiny(parser, args)
     start = time.monotonic()
@@ -254,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": common.provenance(None if args.device == "cuda" else "cpu"),
         **env,
         "args": {"models": args.models, "tokens": args.tokens, "seconds": args.seconds, "device": args.device,
-                 "tiny": args.tiny},
+                 "tiny": args.tiny, "sweep": args.sweep, "sweep_tokens": args.sweep_tokens,
+                 "sweep_seconds": args.sweep_seconds},
         "modes": list(MODES),
         "kernel_versions": {**KERNEL_VERSIONS, "moe_experts_fp8": fp8_kernels.KERNEL_VERSION},
         "small_batch_max_tokens": fp8_ops.SMALL_BATCH_MAX_TOKENS,
@@ -272,27 +411,55 @@ def main(argv: list[str] | None = None) -> int:
         "setup_s": {},
         "rows": [],
     }  # fmt: skip
+    if args.sweep:
+        payload["sweep_candidates"] = {"small_batch": SWEEP_SMALL_BATCH, "grouped": SWEEP_GROUPED}
+        payload["sweep"] = []
     failed = False
+    sweep_spent = [0.0]  # seconds in sweeps so far: --sweep-seconds' budget, not --seconds'
+
+    def sweep_over() -> bool:
+        return sweep_spent[0] + time.monotonic() - sweep_began > args.sweep_seconds
+
     with torch.no_grad():
         for name in args.models:
             experts = fp8 = compiled = None
+
+            def built():
+                nonlocal experts, fp8, compiled
+                if experts is None:
+                    began = time.monotonic()
+                    experts, fp8 = build_model(name, args)
+                    compiled = compile_stock(args.device)
+                    payload["setup_s"][name] = time.monotonic() - began
+                return experts, fp8, compiled
+
             for tokens in args.tokens:
-                if time.monotonic() - start > args.seconds:
+                if time.monotonic() - start - sweep_spent[0] > args.seconds:
                     row = {"model": name, "tokens": tokens, "skipped": f"budget of {args.seconds:g} s spent"}
                 else:
                     try:
-                        if experts is None:
-                            began = time.monotonic()
-                            experts, fp8 = build_model(name, args)
-                            compiled = compile_stock(args.device)
-                            payload["setup_s"][name] = time.monotonic() - began
-                        row = run_row(name, experts, fp8, compiled, tokens, args, env)
+                        row = run_row(name, *built(), tokens, args, env)
                         failed |= bool(row["failures"])
                     except Exception as error:  # noqa: BLE001 - one broken row must not end the run
                         row = {"model": name, "tokens": tokens, "error": bf16_bench.error_string(error)}
                         failed = True
                 print(summary(row), flush=True)
                 payload["rows"].append(row)
+                payload["elapsed_s"] = time.monotonic() - start
+                common.write_json(args.out, payload)
+            for tokens in args.sweep_tokens if args.sweep else ():
+                sweep_began = time.monotonic()
+                if sweep_over():
+                    result = {"model": name, "tokens": tokens, "skipped": f"budget of {args.sweep_seconds:g} s spent"}
+                else:
+                    try:
+                        result = run_sweep(name, *built()[:2], tokens, args, env, sweep_over)
+                    except Exception as error:  # noqa: BLE001
+                        result = {"model": name, "tokens": tokens, "error": bf16_bench.error_string(error)}
+                        print(f"ERROR sweep {name} T={tokens}: {result['error']}", flush=True)
+                        failed = True
+                sweep_spent[0] += time.monotonic() - sweep_began
+                payload["sweep"].append(result)
                 payload["elapsed_s"] = time.monotonic() - start
                 common.write_json(args.out, payload)
             # One model's weights at a time (DeepSeek's: 22 GB bf16 + 11 GB FP8), a fresh Dynamo per model.

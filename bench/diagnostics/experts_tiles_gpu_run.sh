@@ -4,7 +4,8 @@
 # here?), then the batch-64 layers short of their bars re-measured with them, ours against
 # stock Inductor + CUDA graph: Qwen3.5's HF layers (GDN 1.45x at 1786ff1, bar 1.5x) until second
 # QWEN_END (330), DeepSeek V3.2's reference layer (1.20x at 9ec1c7b, bar 1.25x) until DEEPSEEK_END
-# (570); SWEEP=0 skips the sweep, FP8_SECONDS > 0 then gives bench/moe_experts_fp8.py that long.
+# (570); SWEEP=0 skips the sweep, FP8_SECONDS > 0 then gives bench/moe_experts_fp8.py that long
+# (FP8_SWEEP=1 adds its launch-shape sweep, ~4-6 min for three models: raise FP8_SECONDS by that).
 # Results under $OUT/experts_tiles_results. From the repository root:
 #   FUSION_COMMIT=<sha> FUSION_DIRTY=0 bash bench/diagnostics/experts_tiles_gpu_run.sh
 OUT=${OUT:-/tmp/out}
@@ -24,7 +25,7 @@ layers() {  # NAME END DECODE-ARGS...
 layers hf_qwen "${QWEN_END:-330}" --models qwen3.5 --sources hf --hf-experts compute
 layers reference_deepseek "${DEEPSEEK_END:-570}" --models deepseek-v3.2 --sources reference --ref-experts grouped
 if [[ ${FP8_SECONDS:-0} -gt 0 ]]; then
-  timeout "$FP8_SECONDS" python3 bench/moe_experts_fp8.py --seconds $((FP8_SECONDS - 60)) \
+  timeout "$FP8_SECONDS" python3 bench/moe_experts_fp8.py --seconds $((FP8_SECONDS - 60)) $([[ ${FP8_SWEEP:-0} == 1 ]] && echo --sweep) \
     --out "$R/moe_experts_fp8_${GPU}_${FUSION_COMMIT:0:7}.json" > "$R/experts_fp8.log" 2>&1
   echo "experts_fp8: rc=$? at ${SECONDS}s"; grep -v -i "warn\|^ \|^$\|originates\|is_torch" "$R/experts_fp8.log" | cut -c1-400 | tail -n 14
 fi

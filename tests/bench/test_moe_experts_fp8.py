@@ -104,3 +104,71 @@ def test_quantize_in_place_leaves_the_weights_the_codes_stand_for(monkeypatch):
     assert torch.equal(codes.view(torch.uint8), whole_codes.view(torch.uint8)) and torch.equal(scale, whole_scale)
     assert torch.equal(weight, bench.fp8_ops.dequantize_weight(whole_codes, whole_scale).bfloat16())
     assert 0 < bench.common.max_relative_error(weight, original) < 0.1
+
+
+def test_tiny_cpu_sweep_checks_every_config_on_both_kernel_paths(tmp_path, monkeypatch):
+    """--sweep on CPU: every candidate checked against the FP8 reference, none timed. The
+    small-batch lists cut to a corner each (the interpreter takes ~3 s a small-batch config)."""
+    monkeypatch.setattr(bench, "SWEEP_SMALL_BATCH", {
+        "gate_up": {"gate_up_block_k": (64, 512), "gate_up_warps": (4,), "gate_up_stages": (1, 3)},
+        "down": {"down_block_n": (4, 16), "down_block_k": (512,), "down_warps": (2,)},
+    })  # fmt: skip
+    out = tmp_path / "sweep.json"
+    argv = ["--device", "cpu", "--tiny", "--models", MODEL, "--tokens", "--sweep", "--sweep-tokens", "1",
+            str(GROUPED), "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["rows"] == [] and payload["args"]["sweep"]
+    small, grouped = payload["sweep"]
+    assert (small["path"], grouped["path"]) == ("small_batch", "grouped")
+    for result in (small, grouped):
+        stages = bench.sweep_stages(result["path"])
+        expected = 1 + sum(math.prod(map(len, axes.values())) for axes in stages.values())  # default + products
+        assert len(result["configs"]) == expected and result["skipped"] == []
+        assert result["checked"] == len({json.dumps(e["config"], sort_keys=True) for e in result["configs"]})
+        assert result["configs"][0]["default"] and result["configs"][0]["config"] == result["default_config"]
+        for entry in result["configs"]:
+            assert "us" not in entry  # nothing timed on CPU
+            assert entry.get("rejected") or entry["max_rel_err"] <= bench.TOLERANCE, entry
+        assert result["best"] is None and result["speedup_best_vs_default"] is None
+    assert {e["stage"] for e in grouped["configs"]} == {"default", *bench.SWEEP_GROUPED}
+
+
+def test_sweep_rejects_a_wrong_config_and_times_the_rest(monkeypatch):
+    """run_sweep with a stand-in timer (µs: 100 at the default, 50 at block_m 32, 80 at down_warps 8)
+    and a launcher wrong at gate_up_warps 8: that config is rejected and never timed, an invalid
+    block_m 24 (launcher ValueError) too, and the combined best is the fastest of each stage."""
+    monkeypatch.setattr(bench, "SWEEP_GROUPED", {"block_m": (16, 24, 32), "gate_up_warps": (4, 8),
+                                                 "down_warps": (4, 8)})  # fmt: skip
+    kernels, real = bench.fp8_kernels, bench.fp8_kernels.grouped_experts_fp8
+    timed = []
+
+    def launcher(*args, config, **kwargs):
+        out = real(*args, config=config, **kwargs)
+        return out * 1.5 if config.gate_up_warps == 8 else out
+
+    def timer(fn, rotations, calls, replays):
+        fn(0)
+        timed.append(config := seen[-1])
+        return 100.0 / (2 if config.block_m == 32 else 1) * (0.8 if config.down_warps == 8 else 1)
+
+    seen = []
+    monkeypatch.setattr(kernels, "grouped_experts_fp8", lambda *a, config, **k: seen.append(config) or launcher(
+        *a, config=config, **k))
+    monkeypatch.setattr(bench.common, "graph_time_us", timer)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    args = bench.argparse.Namespace(device="cpu", tiny=True)
+    experts, fp8 = bench.build_model(MODEL, args)
+    args.device = "cuda"  # time (with the stand-in) what passes the check
+    with torch.no_grad():
+        result = bench.run_sweep(MODEL, experts, fp8, GROUPED, args, {"copy_bandwidth_gbs": 1000.0}, lambda: False)
+    by_label = {e["label"]: e for e in result["configs"]}
+    assert by_label["gate_up_warps=8"]["rejected"].startswith("wrong result: max_rel_err")
+    assert by_label["block_m=24"]["rejected"].startswith("ValueError: block_m 24")
+    assert all(c.gate_up_warps != 8 and c.block_m != 24 for c in timed)
+    assert "us" not in by_label["gate_up_warps=8"] and "us" not in by_label["block_m=24"]
+    assert result["rejected"] == 2 and result["default_us"] == 100.0
+    assert result["best"]["stage"] == "combined" and result["best"]["label"] == "block_m=32 down_warps=8"
+    assert math.isclose(result["best"]["us"], 40.0) and math.isclose(result["speedup_best_vs_default"], 2.5)
+    assert math.isclose(result["best"]["gbs"], result["touched_bytes_fp8"] / 40.0 / 1e3)
+    assert math.isclose(result["best"]["pct_copy_bw"], 100 * result["best"]["gbs"] / 1000.0)
