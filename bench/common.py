@@ -124,6 +124,16 @@ def read_bandwidth_gbs(gib: float = 2.0) -> float:
     return 2 * n / seconds / 1e9
 
 
+def bandwidth_env(device: str) -> dict:
+    """On CUDA the device's facts and the copy bandwidth measured now (printed), for a results
+    JSON's top level; {} on CPU."""
+    if device != "cuda":
+        return {}
+    env = {"device_facts": device_facts(), "copy_bandwidth_gbs": copy_bandwidth_gbs()}
+    print(f"copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
+    return env
+
+
 def check_cpu_tiny(parser, args, interpreter: bool = True) -> None:
     """``--device cpu`` runs ``--tiny`` only (no CUDA graphs, no timing); with ``interpreter`` it
     also needs TRITON_INTERPRET=1 set before the kernels are imported."""

@@ -323,10 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     common.check_cpu_tiny(parser, args, interpreter=False)
     start = time.monotonic()
-    env = {"device_facts": common.device_facts()} if args.device == "cuda" else {}
-    if args.device == "cuda":
-        env["copy_bandwidth_gbs"] = common.copy_bandwidth_gbs()
-        print(f"copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s", flush=True)
+    env = common.bandwidth_env(args.device)
     payload = {
         "provenance": common.provenance(None if args.device == "cuda" else "cpu"),
         **env,

@@ -367,7 +367,7 @@ def facts_of(nodes: list[torch.fx.Node], inputs: Mapping[str, Any]) -> dict[str,
     for node in nodes:
         if node.op != "call_function":
             continue
-        constant = next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+        constant = _number(node)
         sources = {getattr(a, "target", None) for a in node.args if isinstance(a, torch.fx.Node)}
         if node.target is aten.add.Tensor and aten.sum.dim_IntList in sources and constant is not None:
             facts["graph_renorm_eps"] = constant  # w / (w.sum() + eps)
@@ -681,10 +681,10 @@ def _group_departure(topk: torch.fx.Node, scores: torch.fx.Node) -> tuple[torch.
     group_scores = group_topk.args[0]
     best = getattr(group_scores, "target", None) is operator.getitem and getattr(
         group_scores.args[0], "target", None) is aten.max.dim  # fmt: skip
-    if not best and _scoring(scores) == "sigmoid":
+    scoring = _scoring(scores)
+    if not best and scoring == "sigmoid":
         return None
     n_group, topk_group = (val_shape(group_scores) or (None,))[-1], group_topk.args[1]
-    scoring = _scoring(scores)
     by = f"the highest best {scoring} score (max over each group)" if best else f"the highest {scoring} scores"
     whose = " (DeepSeek-V2's group_limited_greedy)" if best else ""
     fill = masked.args[1]

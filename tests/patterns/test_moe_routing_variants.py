@@ -218,9 +218,9 @@ def _compile_router(router, tokens=5, hidden=32):
 class NearMiss(torch.nn.Module):
     """A router one step off a variant's math (the logits are returned, so it routes from them)."""
 
-    def __init__(self, spelling, experts=16, hidden=32):
+    def __init__(self, spelling, experts=16, hidden=32, seed=3):
         super().__init__()
-        gen = torch.Generator().manual_seed(3)
+        gen = torch.Generator().manual_seed(seed)
         self.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen))
         self.register_buffer("bias", 0.1 * torch.randn(experts, generator=gen))
         self.spelling = spelling
@@ -590,15 +590,11 @@ def test_scaled_bias_routers_route_like_eager_and_float64(model_type, dtype, kee
     torch.testing.assert_close(w.double(), w64, atol=0, rtol=1e-5)
 
 
-class ScaledNearMiss(torch.nn.Module):
+class ScaledNearMiss(NearMiss):
     """HY-V3's (or LongCat-Flash's) routing one step off, in fp32, its logits dead."""
 
     def __init__(self, spelling, experts=16, hidden=32):
-        super().__init__()
-        gen = torch.Generator().manual_seed(4)
-        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen))
-        self.register_buffer("bias", 0.1 * torch.randn(experts, generator=gen))
-        self.spelling = spelling
+        super().__init__(spelling, experts, hidden, seed=4)
 
     def forward(self, x):
         logits = torch.nn.functional.linear(x, self.weight)
